@@ -1,0 +1,139 @@
+"""The public op: `mla_decode`, a thin wrapper over the `mla_backend::decode_paged` custom op.
+
+The wrapper validates (in eager mode only: validation reads seq_lens back to the host), plans the splits
+on the device unless given a plan, and calls the custom op, which mutates `out` and `lse` (and the
+workspace's partials). On CUDA the op runs our kernels: the split-KV decode, then the LSE combine. On CPU it
+runs the plain-torch reference: a documented slow correctness path (the direct reference without a plan,
+the split reference with one).
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Tuple
+
+import torch
+
+from . import reference
+from .planner import SplitPlan, plan_splits
+from .shapes import LATENT_DIM, check_decode_args, quantize_q
+
+Tensor = torch.Tensor
+
+
+class DecodeWorkspace:
+    """Partial outputs of split requests, sized once for (plan slots, q_len, heads) and reused.
+
+    Allocate it before CUDA-graph capture (an engine does so at start-up) so replays never allocate.
+    """
+
+    def __init__(self, num_slots: int, q_len: int, num_heads: int, device):
+        self.partial_out = torch.empty(num_slots, q_len, num_heads, LATENT_DIM, dtype=torch.float32, device=device)
+        self.partial_lse = torch.empty(num_slots, q_len, num_heads, dtype=torch.float32, device=device)
+
+    @classmethod
+    def for_plan(cls, plan: SplitPlan, q_len: int, num_heads: int) -> "DecodeWorkspace":
+        return cls(plan.num_slots, q_len, num_heads, plan.device)
+
+    def fits(self, plan: SplitPlan, q_len: int, num_heads: int) -> bool:
+        slots, ql, heads = self.partial_lse.shape
+        return (slots >= plan.num_slots and ql == q_len and heads == num_heads
+                and self.partial_lse.device == plan.device)
+
+
+# Per-device workspaces for callers that pass none; grown (eagerly) only when a larger one is needed.
+_default_workspaces = {}
+
+
+def _workspace_for(plan: SplitPlan, q_len: int, num_heads: int) -> DecodeWorkspace:
+    key = (plan.device, q_len, num_heads)
+    ws = _default_workspaces.get(key)
+    if ws is None or not ws.fits(plan, q_len, num_heads):
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("mla_decode needs a workspace allocated before CUDA-graph capture: pass "
+                               "workspace=DecodeWorkspace.for_plan(plan, q_len, num_heads), or run one eager "
+                               "step of the same shape first")
+        ws = DecodeWorkspace.for_plan(plan, q_len, num_heads)
+        _default_workspaces[key] = ws
+    return ws
+
+
+@torch.library.custom_op("mla_backend::decode_paged", mutates_args=("out", "lse", "partial_out", "partial_lse"))
+def decode_paged(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, q_scale: Tensor,
+                 k_scale: Tensor, plan_tensors: List[Tensor], out: Tensor, lse: Tensor, partial_out: Tensor,
+                 partial_lse: Tensor, softmax_scale: float, causal: bool, tile_tokens: int,
+                 segment_overhead: int) -> None:
+    """FP8 MLA decode into `out`/`lse`. q is FP8 [B, q_len, H, 576]; kv_cache [pages, page_size, 576]."""
+    plan = SplitPlan(*plan_tensors, tile_tokens, segment_overhead) if plan_tensors else None
+    if q.is_cuda:
+        _decode_cuda(q, kv_cache, block_table, seq_lens, q_scale, k_scale, plan, out, lse, partial_out,
+                     partial_lse, softmax_scale, causal)
+        return
+    kwargs = dict(softmax_scale=softmax_scale, q_scale=q_scale, k_scale=k_scale, causal=causal, out=out, lse=lse)
+    if plan is None:
+        reference.mla_decode_reference(q, kv_cache, block_table, seq_lens, **kwargs)
+    else:
+        reference.mla_decode_split_reference(q, kv_cache, block_table, seq_lens, plan=plan, **kwargs)
+
+
+@decode_paged.register_fake
+def _decode_paged_fake(q, kv_cache, block_table, seq_lens, q_scale, k_scale, plan_tensors, out, lse,
+                       partial_out, partial_lse, softmax_scale, causal, tile_tokens, segment_overhead) -> None:
+    return None
+
+
+def _decode_cuda(q, kv_cache, block_table, seq_lens, q_scale, k_scale, plan, out, lse, partial_out,
+                 partial_lse, softmax_scale, causal):
+    major, _minor = torch.cuda.get_device_capability(q.device)
+    if major != 9:
+        raise RuntimeError(f"mla_decode has kernels for compute capability 9.x (Hopper) only; "
+                           f"{torch.cuda.get_device_name(q.device)} is {major}.x")
+    from .hopper.combine_sm90 import run_combine_sm90
+    from .hopper.decode_sm90 import run_decode_sm90
+
+    stream = torch.cuda.current_stream(q.device)
+    run_decode_sm90(q, kv_cache, block_table, seq_lens, softmax_scale, q_scale, k_scale, plan, out, lse,
+                    partial_out, partial_lse, causal=causal, stream=stream)
+    run_combine_sm90(plan, partial_out, partial_lse, out, lse, stream=stream)
+
+
+def mla_decode(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, *, softmax_scale: float,
+               q_scale: Tensor, k_scale: Tensor, causal: bool = True, out: Optional[Tensor] = None,
+               lse: Optional[Tensor] = None, plan: Optional[SplitPlan] = None,
+               workspace: Optional[DecodeWorkspace] = None) -> Tuple[Tensor, Tensor]:
+    """Paged FP8 MLA decode: returns (out bf16 [B, q_len, H, 512], lse float32 [B, q_len, H]).
+
+    logits = softmax_scale * q_scale * k_scale * (q . k); out = k_scale * softmax(logits) @ kv[..., :512];
+    lse is the natural-log log-sum-exp of the logits. With causal and q_len > 1, query row t of a request of
+    length L sees KV positions [0, L - q_len + t]. A row with no KV gets out = 0 and lse = -inf.
+    """
+    in_graph = torch.compiler.is_compiling() or (q.is_cuda and torch.cuda.is_current_stream_capturing())
+    kv = check_decode_args(q, kv_cache, block_table, seq_lens, softmax_scale, q_scale, k_scale, out, lse,
+                           read_values=not in_graph)
+    batch, q_len, heads, _ = q.shape
+    if out is None:
+        out = torch.empty(batch, q_len, heads, LATENT_DIM, dtype=torch.bfloat16, device=q.device)
+    if lse is None:
+        lse = torch.empty(batch, q_len, heads, dtype=torch.float32, device=q.device)
+    q8 = quantize_q(q, q_scale)
+    if q.is_cuda and plan is None:
+        plan = plan_splits(seq_lens, q_len=q_len, num_heads=heads, page_size=kv.shape[1])
+    if plan is not None:
+        if plan.max_batch < batch or plan.device != q.device:
+            raise ValueError(f"plan holds {plan.max_batch} requests on {plan.device}; "
+                             f"the batch has {batch} on {q.device}")
+        if workspace is None:
+            workspace = _workspace_for(plan, q_len, heads) if q.is_cuda else None
+        elif not workspace.fits(plan, q_len, heads):
+            raise ValueError("workspace does not fit the plan: make it with DecodeWorkspace.for_plan(plan, q_len, heads)")
+    plan_tensors = list(plan.tensors()) if plan is not None else []
+    tile_tokens = plan.tile_tokens if plan is not None else 0
+    overhead = plan.segment_overhead if plan is not None else 0
+    if workspace is None:
+        partial_out = torch.empty(0, dtype=torch.float32, device=q.device)
+        partial_lse = torch.empty(0, dtype=torch.float32, device=q.device)
+    else:
+        partial_out, partial_lse = workspace.partial_out, workspace.partial_lse
+    torch.ops.mla_backend.decode_paged(q8, kv, block_table, seq_lens, q_scale, k_scale, plan_tensors, out, lse,
+                                       partial_out, partial_lse, float(softmax_scale), bool(causal), tile_tokens,
+                                       overhead)
+    return out, lse

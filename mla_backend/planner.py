@@ -1,0 +1,184 @@
+"""Device-side split planner: cut a batch's KV tiles into balanced, contiguous per-CTA chunks.
+
+Why on the device: under CUDA graphs the host does not know the KV lengths of the step being replayed.
+Everything below is fixed-shape torch work on `seq_lens` (no `.item()`, no value-dependent shapes), so it can
+be captured once and replayed for any mix of lengths.
+
+The cut. Lay the batch out on one cost axis, request after request: request b costs `overhead` (loading q,
+writing a partial) followed by one unit per KV tile. Split the axis into `num_ctas` intervals of
+S = floor or ceil(total / num_ctas) units; a tile belongs to the CTA whose interval holds the tile's start. Each CTA
+so gets a contiguous run of tiles in request order; a (CTA, request) piece is a segment, i.e. one split of
+that request. A CTA's tiles plus the overheads of the requests that start inside its interval fit in S, and
+only its first segment may bring an overhead from outside, so the busiest CTA costs at most S + overhead.
+
+The plan is consumed as:
+- CTA c processes global tiles [cta_tile_start[c], cta_tile_start[c+1]); the first belongs to request
+  cta_first_request[c]; an empty range means the CTA exits at once.
+- request b owns global tiles [request_tile_start[b], request_tile_start[b+1]); it has num_splits[b]
+  segments held by CTAs request_first_cta[b] .. + num_splits[b] - 1. With one split the kernel writes the
+  final output; with more, CTA c writes its partial to workspace slot split_offset[b] + c - request_first_cta[b]
+  and the combine kernel merges them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+Tensor = torch.Tensor
+
+DEFAULT_TILE_TOKENS = 64
+# Per-segment overhead in tile units: loading the q block and writing one partial (plus its share of the
+# merge) costs about as much as streaming a few KV tiles. FlashMLA uses the equivalent of 5; to be tuned by
+# measurement on our kernel.
+DEFAULT_SEGMENT_OVERHEAD = 5
+H200_SMS = 132
+
+
+def default_num_ctas(device=None) -> int:
+    """One wave of CTAs: the SM count of the device, or an H200's 132 where there is no GPU."""
+    if device is not None and torch.device(device).type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return H200_SMS
+
+
+@dataclass
+class SplitPlan:
+    """A split plan on the device. All tensors int32 with shapes fixed by (max_batch, num_ctas)."""
+
+    cta_tile_start: Tensor  # [num_ctas + 1]
+    cta_first_request: Tensor  # [num_ctas]
+    request_tile_start: Tensor  # [max_batch + 1]
+    request_first_cta: Tensor  # [max_batch]
+    num_splits: Tensor  # [max_batch]
+    split_offset: Tensor  # [max_batch]
+    tile_tokens: int
+    segment_overhead: int
+
+    @property
+    def num_ctas(self) -> int:
+        return self.cta_first_request.shape[0]
+
+    @property
+    def max_batch(self) -> int:
+        return self.num_splits.shape[0]
+
+    @property
+    def num_slots(self) -> int:
+        """Workspace partials needed in the worst case: each CTA boundary adds at most one split."""
+        return self.max_batch + self.num_ctas
+
+    @property
+    def device(self) -> torch.device:
+        return self.num_splits.device
+
+    def tensors(self):
+        return (self.cta_tile_start, self.cta_first_request, self.request_tile_start,
+                self.request_first_cta, self.num_splits, self.split_offset)
+
+    @classmethod
+    def empty(cls, max_batch: int, num_ctas: int, tile_tokens: int = DEFAULT_TILE_TOKENS,
+              segment_overhead: int = DEFAULT_SEGMENT_OVERHEAD, device=None) -> "SplitPlan":
+        """Buffers for `plan_splits(..., out=plan)`: allocate once at start-up, refill every step."""
+        def zeros(n):
+            return torch.zeros(n, dtype=torch.int32, device=device)
+        return cls(zeros(num_ctas + 1), zeros(num_ctas), zeros(max_batch + 1), zeros(max_batch),
+                   zeros(max_batch), zeros(max_batch), tile_tokens, segment_overhead)
+
+    def segments(self) -> Tensor:
+        """CPU int32 [n, 4] rows of (cta, request, first_tile, end_tile), tiles local to the request.
+
+        For tests, the CLI and debugging: this reads the plan back to the host.
+        """
+        cta_start = self.cta_tile_start.cpu().tolist()
+        req_start = self.request_tile_start.cpu().tolist()
+        rows = []
+        for c in range(self.num_ctas):
+            g, g_end = cta_start[c], cta_start[c + 1]
+            b = int(self.cta_first_request[c])
+            while g < g_end:
+                while req_start[b + 1] <= g:  # skip requests without tiles
+                    b += 1
+                end = min(g_end, req_start[b + 1])
+                rows.append((c, b, g - req_start[b], end - req_start[b]))
+                g = end
+        return torch.tensor(rows, dtype=torch.int32).reshape(-1, 4)
+
+    def cta_costs(self) -> Tensor:
+        """CPU int64 [num_ctas]: tiles plus segment overheads per CTA, as the planner counts cost."""
+        cost = torch.zeros(self.num_ctas, dtype=torch.int64)
+        for c, _b, t0, t1 in self.segments().tolist():
+            cost[c] += (t1 - t0) + self.segment_overhead
+        return cost
+
+
+def plan_splits(seq_lens: Tensor, *, q_len: int, num_heads: int, page_size: int,
+                tile_tokens: Optional[int] = None, num_ctas: Optional[int] = None,
+                max_batch: Optional[int] = None, segment_overhead: int = DEFAULT_SEGMENT_OVERHEAD,
+                out: Optional[SplitPlan] = None) -> SplitPlan:
+    """Plan the split-KV decode of a batch on the device (CUDA-graph safe).
+
+    seq_lens: int32 [B] KV lengths (0 = padded row). q_len and num_heads are part of the static key the
+    kernels are compiled for and are checked here; the cost model counts KV tiles. Pass `out=` (from
+    `SplitPlan.empty` or an earlier call) to refill persistent buffers, as a CUDA-graph step must.
+    """
+    if seq_lens.dim() != 1 or seq_lens.dtype != torch.int32:
+        raise TypeError(f"seq_lens must be a 1-D int32 tensor, got {seq_lens.dtype} {tuple(seq_lens.shape)}")
+    if page_size <= 0 or q_len <= 0 or num_heads <= 0:
+        raise ValueError(f"page_size, q_len and num_heads must be positive, got {page_size}, {q_len}, {num_heads}")
+    if out is not None:
+        tile_tokens = out.tile_tokens if tile_tokens is None else tile_tokens
+        num_ctas = out.num_ctas if num_ctas is None else num_ctas
+        max_batch = out.max_batch if max_batch is None else max_batch
+        segment_overhead = out.segment_overhead
+        if (tile_tokens, num_ctas, max_batch) != (out.tile_tokens, out.num_ctas, out.max_batch):
+            raise ValueError("plan_splits(out=...) must keep the plan's tile_tokens, num_ctas and max_batch")
+        if out.device != seq_lens.device:
+            raise ValueError(f"out plan is on {out.device} but seq_lens is on {seq_lens.device}")
+    tile_tokens = DEFAULT_TILE_TOKENS if tile_tokens is None else tile_tokens
+    if tile_tokens % page_size and page_size % tile_tokens:
+        raise ValueError(f"tile_tokens ({tile_tokens}) and page_size ({page_size}) must divide one another")
+    num_ctas = default_num_ctas(seq_lens.device) if num_ctas is None else num_ctas
+    batch = seq_lens.shape[0]
+    max_batch = batch if max_batch is None else max_batch
+    if batch > max_batch:
+        raise ValueError(f"seq_lens has {batch} requests but the plan holds max_batch={max_batch}")
+    if num_ctas < 1 or max_batch < 1:
+        raise ValueError(f"num_ctas and max_batch must be >= 1, got {num_ctas}, {max_batch}")
+
+    device = seq_lens.device
+    lengths = torch.nn.functional.pad(seq_lens.to(torch.int64), (0, max_batch - batch)).clamp(min=0)
+    tiles = (lengths + tile_tokens - 1) // tile_tokens
+    cost = tiles + segment_overhead * (tiles > 0)
+    cost_start = torch.cumsum(cost, 0) - cost
+    # Interval c is [c * total // num_ctas, (c + 1) * total // num_ctas): each holds floor or ceil of the mean.
+    # Every interval must hold at least one unit, or a request could skip a CTA and its split slots
+    # (numbered by CTA) would have holes: with less work than CTAs, use unit intervals.
+    total = torch.clamp(cost.sum(), min=num_ctas)
+    bounds = torch.arange(num_ctas + 1, device=device, dtype=torch.int64) * total // num_ctas
+    # Tiles of request b whose start lies before each bound: [num_ctas + 1, max_batch], summed over b.
+    before = (bounds[:, None] - cost_start[None, :] - segment_overhead).clamp(min=0)
+    cta_tile_start = torch.minimum(before, tiles[None, :]).sum(1)
+
+    request_tile_start = torch.nn.functional.pad(torch.cumsum(tiles, 0), (1, 0))
+    # The first request whose range extends past a CTA's first tile (empty requests never do).
+    cta_first_request = torch.searchsorted(request_tile_start[1:], cta_tile_start[:-1], right=True)
+    cta_first_request = cta_first_request.clamp(max=max_batch - 1)
+
+    def cta_of(tile):  # the CTA holding a global tile: the last one whose range starts at or before it
+        return torch.searchsorted(cta_tile_start, tile, right=True) - 1
+
+    busy = tiles > 0
+    first_cta = cta_of(request_tile_start[:-1]).clamp(0, num_ctas - 1)
+    last_cta = cta_of(request_tile_start[1:] - 1).clamp(0, num_ctas - 1)
+    num_splits = torch.where(busy, last_cta - first_cta + 1, torch.zeros_like(first_cta))
+    merged = num_splits * (num_splits > 1)
+    split_offset = torch.cumsum(merged, 0) - merged
+
+    plan = out if out is not None else SplitPlan.empty(max_batch, num_ctas, tile_tokens, segment_overhead, device)
+    for dst, src in zip(plan.tensors(), (cta_tile_start, cta_first_request, request_tile_start, first_cta,
+                                         num_splits, split_offset)):
+        dst.copy_(src)
+    return plan

@@ -1,0 +1,130 @@
+"""Plain-torch FP8 MLA decode: the oracle every kernel and adapter is tested against.
+
+Everything here is fp32 math on the dequantized FP8 values, one request at a time. It runs on CPU or GPU
+and is slow on purpose: it is written to be obviously right, not fast.
+
+`mla_decode_reference` computes the op's contract directly. `mla_decode_split_reference` computes the same
+thing the way the kernels do (one partial output and LSE per plan segment, then the LSE merge), so the plan
+and the merge arithmetic can be checked without a GPU.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Tuple
+
+import torch
+
+from .shapes import KV_DIM, LATENT_DIM, quantize_q, canonical_kv_cache
+
+Tensor = torch.Tensor
+
+
+def gather_request_kv(kv_cache: Tensor, block_table: Tensor, request: int, end: int, first: int = 0) -> Tensor:
+    """KV rows [first, end) of one request, in token order, as fp32 [end - first, 576]."""
+    page_size = kv_cache.shape[1]
+    first_page, end_page = first // page_size, -(-end // page_size)
+    pages = block_table[request, first_page:end_page].long()
+    rows = kv_cache[pages].reshape(-1, KV_DIM)
+    return rows[first - first_page * page_size:end - first_page * page_size].float()
+
+
+def visible_tokens(length: int, q_len: int, causal: bool, device) -> Tensor:
+    """How many KV positions each query row t sees: L - q_len + t + 1 when causal, L otherwise (>= 0)."""
+    t = torch.arange(q_len, device=device)
+    if causal:
+        return (length - q_len + t + 1).clamp(min=0, max=length)
+    return torch.full((q_len,), length, device=device, dtype=torch.long)
+
+
+def attend(q_rows: Tensor, kv: Tensor, first_token: int, visible: Tensor, logit_scale: float,
+           v_scale: float) -> Tuple[Tensor, Tensor]:
+    """Softmax attention of q_rows [q_len, H, 576] over kv [n, 576] holding tokens first_token.. .
+
+    Token first_token + j is visible to query row t when first_token + j < visible[t]. Returns the
+    normalized output [q_len, H, 512] (times v_scale) and the natural-log LSE [q_len, H]; a row that
+    sees nothing gets output 0 and LSE -inf.
+    """
+    logits = torch.einsum("thd,nd->thn", q_rows, kv) * logit_scale
+    positions = first_token + torch.arange(kv.shape[0], device=kv.device)
+    mask = positions[None, :] < visible[:, None]  # [q_len, n]
+    logits = logits.masked_fill(~mask[:, None, :], float("-inf"))
+    lse = torch.logsumexp(logits, dim=-1)  # -inf where the row sees nothing
+    probs = torch.exp(logits - lse[..., None].clamp(min=torch.finfo(torch.float32).min))
+    probs = torch.nan_to_num(probs, nan=0.0)
+    out = torch.einsum("thn,nd->thd", probs, kv[:, :LATENT_DIM]) * v_scale
+    return out, lse
+
+
+def merge_partials(partial_out: Tensor, partial_lse: Tensor) -> Tuple[Tensor, Tensor]:
+    """LSE merge of S partials: partial_out [S, ..., 512] normalized, partial_lse [S, ...] natural log."""
+    lse = torch.logsumexp(partial_lse, dim=0)
+    safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    weights = torch.exp(partial_lse - safe[None])  # 0 for partials with lse -inf
+    weights = torch.where(torch.isinf(lse)[None], torch.zeros_like(weights), weights)
+    out = (weights[..., None] * partial_out).sum(dim=0)
+    return out, lse
+
+
+def _prepare(q, kv_cache, q_scale, k_scale, softmax_scale):
+    kv = canonical_kv_cache(kv_cache)
+    qf = quantize_q(q, q_scale).float()
+    qs = float(q_scale.reshape(-1)[0])
+    ks = float(k_scale.reshape(-1)[0])
+    return qf, kv, softmax_scale * qs * ks, ks
+
+
+def _outputs(q, out, lse):
+    batch, q_len, heads = q.shape[:3]
+    if out is None:
+        out = torch.empty(batch, q_len, heads, LATENT_DIM, dtype=torch.bfloat16, device=q.device)
+    if lse is None:
+        lse = torch.empty(batch, q_len, heads, dtype=torch.float32, device=q.device)
+    return out, lse
+
+
+def mla_decode_reference(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, *,
+                         softmax_scale: float, q_scale: Tensor, k_scale: Tensor, causal: bool = True,
+                         out: Optional[Tensor] = None, lse: Optional[Tensor] = None,
+                         plan=None) -> Tuple[Tensor, Tensor]:
+    """The op's contract, computed directly in fp32 (`plan` is accepted and ignored)."""
+    qf, kv, logit_scale, v_scale = _prepare(q, kv_cache, q_scale, k_scale, softmax_scale)
+    out, lse = _outputs(q, out, lse)
+    q_len = q.shape[1]
+    for b, length in enumerate(seq_lens.tolist()):
+        keys = gather_request_kv(kv, block_table, b, length)
+        o, l = attend(qf[b], keys, 0, visible_tokens(length, q_len, causal, q.device), logit_scale, v_scale)
+        out[b] = o.to(out.dtype)
+        lse[b] = l
+    return out, lse
+
+
+def mla_decode_split_reference(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, *,
+                               softmax_scale: float, q_scale: Tensor, k_scale: Tensor, plan,
+                               causal: bool = True, out: Optional[Tensor] = None,
+                               lse: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+    """The op computed as the kernels compute it: a partial per plan segment, then the LSE merge.
+
+    Requests with one split take their segment's result directly, as the decode kernel writes it.
+    """
+    qf, kv, logit_scale, v_scale = _prepare(q, kv_cache, q_scale, k_scale, softmax_scale)
+    out, lse = _outputs(q, out, lse)
+    batch, q_len, heads = q.shape[:3]
+    tile = plan.tile_tokens
+    lengths = seq_lens.tolist()
+    partials = [[] for _ in range(batch)]
+    for _cta, b, first_tile, end_tile in plan.segments().tolist():
+        length = lengths[b]
+        first, end = first_tile * tile, min(end_tile * tile, length)
+        keys = gather_request_kv(kv, block_table, b, end, first)
+        partials[b].append(attend(qf[b], keys, first, visible_tokens(length, q_len, causal, q.device),
+                                  logit_scale, v_scale))
+    for b in range(batch):
+        if not partials[b]:  # no KV at all
+            out[b] = 0
+            lse[b] = -math.inf
+            continue
+        o, l = merge_partials(torch.stack([p[0] for p in partials[b]]), torch.stack([p[1] for p in partials[b]]))
+        out[b] = o.to(out.dtype)
+        lse[b] = l
+    return out, lse

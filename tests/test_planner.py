@@ -1,0 +1,128 @@
+"""Invariants of the device-side split planner, as property tests."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from mla_backend import SplitPlan, plan_splits
+
+TILE = 64
+EDGE_LENGTHS = [0, 1, TILE - 1, TILE, TILE + 1, 4096, 131072, 1 << 20]
+
+
+def check_plan(lengths, num_ctas, overhead=5, max_batch=None):
+    seq_lens = torch.tensor(lengths, dtype=torch.int32)
+    plan = plan_splits(seq_lens, q_len=1, num_heads=12, page_size=32, tile_tokens=TILE, num_ctas=num_ctas,
+                       max_batch=max_batch, segment_overhead=overhead)
+    segs = plan.segments().tolist()
+    tiles = [-(-n // TILE) for n in lengths]
+
+    # Every tile of every request is covered exactly once, in order, by segments of >= 1 tile.
+    covered = {b: [] for b in range(len(lengths))}
+    for cta, b, t0, t1 in segs:
+        assert 0 <= cta < num_ctas
+        assert t1 - t0 >= 1, "a segment holds at least one tile"
+        covered[b].append((t0, t1))
+    for b, ranges in covered.items():
+        expect = 0
+        for t0, t1 in ranges:
+            assert t0 == expect, f"request {b}: tiles not contiguous/in order: {ranges}"
+            expect = t1
+        assert expect == tiles[b], f"request {b}: covered {expect} of {tiles[b]} tiles"
+    # Segments run in (cta, request) order: each CTA walks a contiguous run of the batch.
+    assert segs == sorted(segs)
+
+    # num_splits and the workspace slots agree with the segments.
+    splits = plan.num_splits.tolist()
+    for b in range(len(lengths)):
+        assert splits[b] == len(covered[b])
+        if covered[b]:
+            first_cta = [c for c, rb, _, _ in segs if rb == b][0]
+            assert int(plan.request_first_cta[b]) == first_cta
+    offsets = plan.split_offset.tolist()
+    slots = set()
+    for cta, b, _, _ in segs:
+        if splits[b] > 1:
+            slot = offsets[b] + cta - int(plan.request_first_cta[b])
+            assert 0 <= slot < plan.num_slots and slot not in slots
+            slots.add(slot)
+
+    # Balance: the busiest CTA costs at most ceil(total / num_ctas) + one segment overhead + one tile.
+    total = sum(t + overhead * (t > 0) for t in tiles)
+    costs = plan.cta_costs().tolist()
+    assert sum(1 for c in costs if c) <= num_ctas
+    assert max(costs) <= math.ceil(total / num_ctas) + overhead + 1, (max(costs), total, num_ctas)
+
+    # Deterministic.
+    again = plan_splits(seq_lens, q_len=1, num_heads=12, page_size=32, tile_tokens=TILE, num_ctas=num_ctas,
+                        max_batch=max_batch, segment_overhead=overhead)
+    for a, b in zip(plan.tensors(), again.tensors()):
+        assert torch.equal(a, b)
+    return plan
+
+
+lengths_strategy = st.one_of(
+    st.lists(st.sampled_from(EDGE_LENGTHS), min_size=1, max_size=256),  # edges, including 1M
+    st.lists(st.integers(0, 70_000), min_size=1, max_size=256),  # random
+    st.builds(lambda n, b: [n] * b, st.integers(0, 1 << 20), st.integers(1, 256)),  # uniform
+    st.builds(lambda long, short, b: [long] + [short] * b,  # heavily skewed
+              st.integers(100_000, 1 << 20), st.integers(0, 4096), st.integers(0, 255)),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(lengths=lengths_strategy, num_ctas=st.sampled_from([1, 2, 7, 66, 132, 264]), overhead=st.integers(0, 8))
+def test_plan_invariants(lengths, num_ctas, overhead):
+    check_plan(lengths, num_ctas, overhead)
+
+
+@pytest.mark.parametrize("lengths", [[0], [0] * 256, [1], [1 << 20], [1 << 20] + [4096] * 15,
+                                     [131072] + [2048] * 63, EDGE_LENGTHS * 32])
+def test_plan_named_batches(lengths):
+    check_plan(lengths, 132)
+
+
+def test_all_empty_batch_leaves_every_cta_idle():
+    plan = check_plan([0] * 8, 132)
+    assert plan.segments().shape == (0, 4)
+    assert torch.all(plan.num_splits == 0)
+
+
+def test_one_long_request_fills_the_gpu():
+    plan = check_plan([1 << 20], 132)
+    assert int(plan.num_splits[0]) == 132
+    costs = plan.cta_costs()
+    assert int(costs.max()) - int(costs.min()) <= 1 + 5
+
+
+def test_padding_to_max_batch_and_refilling_buffers_in_place():
+    plan = SplitPlan.empty(max_batch=16, num_ctas=32, tile_tokens=TILE)
+    buffers = [t.data_ptr() for t in plan.tensors()]
+    for lengths in ([5000, 3], [1 << 20] * 16, [0, 0, 0]):
+        seq_lens = torch.tensor(lengths, dtype=torch.int32)
+        again = plan_splits(seq_lens, q_len=1, num_heads=12, page_size=32, out=plan)
+        assert again is plan and [t.data_ptr() for t in plan.tensors()] == buffers
+        fresh = plan_splits(seq_lens, q_len=1, num_heads=12, page_size=32, tile_tokens=TILE, num_ctas=32,
+                            max_batch=16)
+        for a, b in zip(plan.tensors(), fresh.tensors()):
+            assert torch.equal(a, b)
+        assert torch.all(plan.num_splits[len(lengths):] == 0)
+
+
+def test_planner_has_fixed_shapes_and_no_host_reads():
+    """The plan's shapes depend only on (max_batch, num_ctas): one captured graph serves any lengths.
+    Run under a meta device, where any .item()/.tolist() or value-dependent shape would fail."""
+    seq_lens = torch.empty(10, dtype=torch.int32, device="meta")
+    plan = plan_splits(seq_lens, q_len=2, num_heads=16, page_size=64, tile_tokens=TILE, num_ctas=132, max_batch=64)
+    assert [tuple(t.shape) for t in plan.tensors()] == [(133,), (132,), (65,), (64,), (64,), (64,)]
+
+
+def test_planner_rejects_bad_arguments():
+    with pytest.raises(TypeError, match="seq_lens"):
+        plan_splits(torch.zeros(3, dtype=torch.int64), q_len=1, num_heads=12, page_size=32)
+    with pytest.raises(ValueError, match="max_batch"):
+        plan_splits(torch.zeros(3, dtype=torch.int32), q_len=1, num_heads=12, page_size=32, max_batch=2)
+    with pytest.raises(ValueError, match="tile_tokens"):
+        plan_splits(torch.zeros(3, dtype=torch.int32), q_len=1, num_heads=12, page_size=32, tile_tokens=48)
