@@ -127,6 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"]:  # the benchmark parses its own options
+        return cmd_bench(argparse.Namespace(rest=argv[1:]))
     args = build_parser().parse_args(argv)
     if getattr(args, "overhead", 0) is None:
         from .planner import DEFAULT_SEGMENT_OVERHEAD

@@ -21,8 +21,7 @@ def fake_tensor(dtype, shape, align: int = 16):
 
 def to_cute(t: torch.Tensor, align: int = 16):
     """A contiguous torch tensor as a CuTe tensor whose outer dimension alone is dynamic."""
-    return from_dlpack(t.detach(), assumed_align=align).mark_compact_shape_dynamic(
-        mode=0, stride_order=tuple(reversed(range(t.dim()))))
+    return from_dlpack(t.detach(), assumed_align=align).mark_compact_shape_dynamic(mode=0)
 
 
 def cuda_stream(stream: torch.cuda.Stream):

@@ -1,0 +1,229 @@
+"""Decode-step time against the floor measured in the same run (`python -m mla_backend bench`).
+
+For each case: one decode step (the device planner, the split-KV decode and the combine) is captured in a CUDA
+graph and replayed; L2 is flushed before every timed replay so the KV comes from DRAM. The floor is
+max(bytes / measured DRAM read bandwidth, FLOPs / measured FP8 tensor throughput), both ceilings measured at
+the start of the run. Output: a table, a CSV and a plot of time / floor per case.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import List
+
+import torch
+
+KV_DIM, LATENT_DIM = 576, 512
+
+
+@dataclass
+class Case:
+    name: str
+    lengths: List[int]
+    heads: int = 12
+    q_len: int = 1
+    page_size: int = 32
+    results: dict = field(default_factory=dict)
+
+
+def default_cases(heads=12, page_size=32):
+    cases = []
+    for q_len in (1, 8):
+        for kv in (131072, 1 << 20):
+            for batch in (1, 2, 4, 8, 16):
+                label = f"{kv // 1024}K" if kv < (1 << 20) else "1M"
+                cases.append(Case(f"H{heads} q{q_len} {label} x B{batch}", [kv] * batch, heads, q_len, page_size))
+    cases.append(Case(f"H{heads} q1 1M + 15 x 4K", [1 << 20] + [4096] * 15, heads, 1, page_size))
+    cases.append(Case(f"H{heads} q1 128K + 63 x 2K", [131072] + [2048] * 63, heads, 1, page_size))
+    return cases
+
+
+def extended_cases():
+    cases = []
+    for heads in (16, 128):
+        for q_len in (1, 2):
+            cases.append(Case(f"H{heads} q{q_len} 1M x B4", [1 << 20] * 4, heads, q_len, 32))
+    cases.append(Case("H12 q1 1M x B4 page 64", [1 << 20] * 4, 12, 1, 64))
+    cases.append(Case("H12 q1 (1M-17) x B4", [(1 << 20) - 17] * 4, 12, 1, 32))
+    for batch, kv in ((64, 8192), (64, 32768), (128, 8192), (128, 32768)):
+        cases.append(Case(f"H12 q1 {kv // 1024}K x B{batch}", [kv] * batch, 12, 1, 32))
+    return cases
+
+
+# ---------------------------------------------------------------------------------------------- ceilings
+def measure_read_bandwidth(gib: float = 4.0) -> float:
+    """Bytes per second of a streaming read (Triton kernel summing int32 words) over a buffer >> L2."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def read_all(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+        pid = tl.program_id(0)
+        step = tl.num_programs(0) * BLOCK
+        acc = tl.zeros([BLOCK], dtype=tl.int32)
+        for start in range(pid * BLOCK, n, step):
+            offs = start + tl.arange(0, BLOCK)
+            acc += tl.load(x_ptr + offs, mask=offs < n, other=0, cache_modifier=".cg")
+        tl.store(out_ptr + pid * BLOCK + tl.arange(0, BLOCK), acc)
+
+    n = int(gib * (1 << 30)) // 4
+    x = torch.randint(-100, 100, (n,), dtype=torch.int32, device="cuda")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    block, grid = 4096, sms * 4
+    out = torch.empty(grid * block, dtype=torch.int32, device="cuda")
+    ms = triton.testing.do_bench(lambda: read_all[(grid,)](x, out, n, BLOCK=block), warmup=50, rep=300,
+                                 return_mode="median")
+    del x
+    return n * 4 / (ms * 1e-3)
+
+
+def measure_fp8_flops(size: int = 8192) -> float:
+    """FP8 E4M3 GEMM FLOP/s through torch._scaled_mm on random data."""
+    import triton
+
+    a = torch.randn(size, size, device="cuda").to(torch.float8_e4m3fn)
+    b = torch.randn(size, size, device="cuda").to(torch.float8_e4m3fn).t()
+    one = torch.ones((), device="cuda")
+    ms = triton.testing.do_bench(lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16),
+                                 warmup=50, rep=300, return_mode="median")
+    return 2 * size ** 3 / (ms * 1e-3)
+
+
+# ------------------------------------------------------------------------------------------------- cases
+def case_bytes_and_flops(case: Case):
+    tokens = sum(case.lengths)
+    rows = case.q_len * case.heads
+    batch = len(case.lengths)
+    bytes_moved = tokens * KV_DIM + batch * rows * (KV_DIM + LATENT_DIM * 2 + 4)
+    flops = 2 * tokens * rows * (KV_DIM + LATENT_DIM)
+    return bytes_moved, flops
+
+
+def run_case(case: Case, bandwidth: float, fp8_flops: float, reps: int, check: bool):
+    from mla_backend import DecodeWorkspace, SplitPlan, mla_decode, mla_decode_reference, plan_splits
+
+    torch.manual_seed(0)
+    batch, page = len(case.lengths), case.page_size
+    pages_per = [-(-n // page) for n in case.lengths]
+    num_pages = sum(pages_per) + 1
+    kv = torch.empty(num_pages, page, KV_DIM, dtype=torch.uint8, device="cuda")
+    kv.random_(0, 256)
+    kv[(kv & 0x7F) == 0x7F] = 0  # random bytes include the E4M3 NaN codes
+    kv = kv.view(torch.float8_e4m3fn)
+    max_pages = max(pages_per)
+    block_table = torch.zeros(batch, max_pages, dtype=torch.int32, device="cuda")
+    perm = torch.randperm(num_pages - 1, device="cuda").int()
+    used = 0
+    for b, n in enumerate(pages_per):
+        block_table[b, :n] = perm[used:used + n]
+        used += n
+    seq_lens = torch.tensor(case.lengths, dtype=torch.int32, device="cuda")
+    q = torch.randn(batch, case.q_len, case.heads, KV_DIM, device="cuda").to(torch.float8_e4m3fn)
+    q_scale = torch.tensor([0.05], device="cuda")
+    k_scale = torch.tensor([0.05], device="cuda")
+    out = torch.empty(batch, case.q_len, case.heads, LATENT_DIM, dtype=torch.bfloat16, device="cuda")
+    lse = torch.empty(batch, case.q_len, case.heads, dtype=torch.float32, device="cuda")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    plan = SplitPlan.empty(batch, sms, device="cuda")
+    ws = DecodeWorkspace.for_plan(plan, case.q_len, case.heads)
+    scale = 1.0 / (KV_DIM ** 0.5)
+
+    def step():
+        plan_splits(seq_lens, q_len=case.q_len, num_heads=case.heads, page_size=page, out=plan)
+        mla_decode(q, kv, block_table, seq_lens, softmax_scale=scale, q_scale=q_scale, k_scale=k_scale,
+                   out=out, lse=lse, plan=plan, workspace=ws)
+
+    step()  # compile and warm up outside the graph
+    torch.cuda.synchronize()
+    if check:
+        ref_out, ref_lse = mla_decode_reference(q, kv, block_table, seq_lens, softmax_scale=scale,
+                                                q_scale=q_scale, k_scale=k_scale)
+        err = ((out.float() - ref_out.float()).norm() / ref_out.float().norm()).item()
+        case.results["rel_err"] = err
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    times = []
+    for _ in range(reps):
+        flush.zero_()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e-3)
+    bytes_moved, flops = case_bytes_and_flops(case)
+    floor = max(bytes_moved / bandwidth, flops / fp8_flops)
+    t = statistics.median(times)
+    case.results.update(time_us=t * 1e6, floor_us=floor * 1e6, ratio=t / floor, kv_mb=bytes_moved / 1e6,
+                        bound="memory" if bytes_moved / bandwidth >= flops / fp8_flops else "fp8 compute",
+                        spread=(max(times) - min(times)) / t)
+    del kv, graph, flush
+    torch.cuda.empty_cache()
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m mla_backend bench", description=__doc__)
+    parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--extended", action="store_true", help="also H16/H128, page 64, ragged and serving mixes")
+    parser.add_argument("--only", default="", help="run only cases whose name contains this text")
+    parser.add_argument("--check", action="store_true", help="compare each case with the reference")
+    parser.add_argument("--out-dir", default=os.environ.get("OUT", "bench-results"))
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench needs a CUDA GPU (Hopper)", file=sys.stderr)
+        return 2
+
+    bandwidth = measure_read_bandwidth()
+    fp8 = measure_fp8_flops()
+    print(f"{torch.cuda.get_device_name(0)}: read bandwidth {bandwidth / 1e12:.2f} TB/s, FP8 GEMM {fp8 / 1e12:.0f} TFLOP/s")
+    cases = default_cases() + (extended_cases() if args.extended else [])
+    cases = [c for c in cases if args.only in c.name]
+    for case in cases:
+        t0 = time.perf_counter()
+        run_case(case, bandwidth, fp8, args.reps, args.check)
+        r = case.results
+        print(f"  {case.name:<28} {r['time_us']:9.1f} us  floor {r['floor_us']:8.1f} us  ratio {r['ratio']:5.2f}"
+              + (f"  err {r['rel_err']:.1e}" if "rel_err" in r else "") + f"  ({time.perf_counter() - t0:.0f} s)",
+              flush=True)
+
+    os.makedirs(args.out_dir, exist_ok=True)
+    csv_path = os.path.join(args.out_dir, "bench_decode.csv")
+    keys = ["time_us", "floor_us", "ratio", "kv_mb", "bound", "spread"] + (["rel_err"] if args.check else [])
+    with open(csv_path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["case", "heads", "q_len", "page", "batch"] + keys)
+        for c in cases:
+            w.writerow([c.name, c.heads, c.q_len, c.page_size, len(c.lengths)] + [c.results.get(k, "") for k in keys])
+    print()
+    print(f"| case | time (us) | floor (us) | time / floor | bound |")
+    print(f"| --- | ---: | ---: | ---: | --- |")
+    for c in cases:
+        r = c.results
+        print(f"| {c.name} | {r['time_us']:.1f} | {r['floor_us']:.1f} | {r['ratio']:.2f} | {r['bound']} |")
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(10, 0.3 * len(cases) + 1.5))
+        ax.barh([c.name for c in cases][::-1], [c.results["ratio"] for c in cases][::-1])
+        ax.axvline(1.0, color="k", lw=0.8)
+        ax.set_xlabel("step time / floor")
+        fig.tight_layout()
+        fig.savefig(os.path.join(args.out_dir, "bench_decode.png"), dpi=100)
+    except ImportError:
+        print("(matplotlib not installed: no plot; pip install cute-mla-fp8[bench])")
+    print(f"wrote {csv_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

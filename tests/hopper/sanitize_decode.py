@@ -1,0 +1,22 @@
+"""Small decode shapes for compute-sanitizer memcheck (run by test_mla_decode_gpu.py).
+
+The KV pool is allocated with exactly the pages the batch uses and the block table's unused slots hold huge
+page ids, so a read past any request's pages or past the pool is reported.
+"""
+
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from mla_backend import mla_decode  # noqa: E402
+from mla_inputs import make_decode_inputs  # noqa: E402
+
+for heads, q_len, page, lengths in [(12, 1, 32, [0, 1, 31, 33, 700]), (16, 4, 64, [1, 2, 65, 3000]),
+                                    (128, 2, 32, [5, 129])]:
+    q, kv, bt, sl, qs, ks = make_decode_inputs(lengths, q_len=q_len, num_heads=heads, page_size=page, device="cuda",
+                                               extra_pages=0)
+    out, lse = mla_decode(q, kv, bt, sl, softmax_scale=0.05, q_scale=qs, k_scale=ks)
+    torch.cuda.synchronize()
+    print(f"sanitize: checked H{heads} q{q_len} page {page} {lengths}")
