@@ -1,10 +1,16 @@
 """Merge the split-KV partials of each request by their LSE (SM90, CuTe DSL).
 
-One warp per (request, query row): it reads the split count and workspace offset from the plan, so the grid
-is fixed (batch x row blocks) and needs no host reads. Requests with one split exit at once: the decode
+One CTA of 8 warps per (request, query row): it reads the split count and workspace offset from the plan, so
+the grid is fixed (batch x rows) and needs no host reads. Requests with one split exit at once: the decode
 kernel already wrote their final output. Requests without KV (no split at all) get out = 0, lse = -inf here,
-since no decode CTA visits them. Each lane owns 16 of the 512 output columns as four 16-byte
-vectors, so every partial row is read in fully coalesced 512-byte sweeps.
+since no decode CTA visits them.
+
+Why a CTA per row and not a warp: a long request is cut into up to one split per SM (132 on an H200), and a
+warp walking 132 partials one after the other waits on 132 dependent round trips to memory (the first
+version spent ~100 us there for a single 128K request). Here the split LSEs are read by all 256 threads at
+once and reduced across the CTA, and the 8 warps take every 8th partial each, so about 17 partial rows per
+warp are in flight; each lane owns 16 of the 512 columns as four 16-byte vectors (coalesced 512-byte rows).
+The warps' sums are added through shared memory at the end.
 
 out = sum_s exp(lse_s - lse) * O_s, lse = log(sum_s exp(lse_s)), computed in base 2; a row whose partials
 are all empty (lse -inf) gets out = 0 and lse = -inf.
@@ -23,9 +29,11 @@ from .cute_utils import cuda_stream, fake_stream, fake_tensor, to_cute
 
 LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
-WARPS_PER_CTA = 4
+WARPS = 8
+THREADS = 32 * WARPS
 VEC = 4  # fp32 per 16-byte access
 VECS_PER_LANE = LATENT_DIM // (32 * VEC)
+MAX_SPLITS = 2048  # split weights kept in shared memory; a plan has at most num_ctas splits per request
 
 
 class CombineSplitsSM90:
@@ -39,63 +47,96 @@ class CombineSplitsSM90:
                  num_splits: cute.Tensor, split_offset: cute.Tensor, stream):
         # partial_out [slots, rows, 512] f32, partial_lse [slots, rows] f32, out [batch, rows, 512] bf16,
         # lse [batch, rows] f32, num_splits / split_offset [max_batch >= batch] i32.
-        row_blocks = (self.rows + WARPS_PER_CTA - 1) // WARPS_PER_CTA
         self.kernel(partial_out, partial_lse, out, lse, num_splits, split_offset).launch(
-            grid=[out.shape[0], row_blocks, 1], block=[32 * WARPS_PER_CTA, 1, 1], stream=stream)
+            grid=[out.shape[0], self.rows, 1], block=[THREADS, 1, 1], stream=stream)
+
+    @cute.jit
+    def _block_reduce(self, value: cutlass.Float32, scratch: cute.Tensor, warp, lane, is_max: cutlass.Constexpr):
+        if cutlass.const_expr(is_max):
+            value = cute.arch.warp_reduction_max(value)
+        else:
+            value = cute.arch.warp_reduction_sum(value)
+        if lane == 0:
+            scratch[warp] = value
+        cute.arch.barrier()
+        result = scratch[0]
+        for w in cutlass.range_constexpr(1, WARPS):
+            if cutlass.const_expr(is_max):
+                result = cute.arch.fmax(result, scratch[w])
+            else:
+                result = result + scratch[w]
+        cute.arch.barrier()  # scratch is reused by the next reduction
+        return result
 
     @cute.kernel
     def kernel(self, partial_out: cute.Tensor, partial_lse: cute.Tensor, out: cute.Tensor, lse: cute.Tensor,
                num_splits: cute.Tensor, split_offset: cute.Tensor):
         tidx, _, _ = cute.arch.thread_idx()
-        request, row_block, _ = cute.arch.block_idx()
+        request, row, _ = cute.arch.block_idx()
         lane = tidx % 32
-        row = row_block * WARPS_PER_CTA + tidx // 32
+        warp = tidx // 32
         splits = num_splits[request]
-        if splits == 0 and row < self.rows:
-            zeros = cute.make_rmem_tensor((VEC,), cutlass.BFloat16)
-            zeros.fill(0.0)
-            dst = out[request, row, None]
-            for k in cutlass.range_constexpr(VECS_PER_LANE):
-                cute.autovec_copy(zeros, cute.local_tile(dst, (VEC,), (lane + 32 * k,)))
-            if lane == 0:
+        dst = out[request, row, None]
+        if splits == 0:
+            if tidx < LATENT_DIM // VEC:
+                zeros = cute.make_rmem_tensor((VEC,), cutlass.BFloat16)
+                zeros.fill(0.0)
+                cute.autovec_copy(zeros, cute.local_tile(dst, (VEC,), (tidx,)))
+            if tidx == 0:
                 lse[request, row] = -cutlass.Float32.inf
-        if splits > 1 and row < self.rows:
+        if splits > 1:
+            smem = cutlass.utils.SmemAllocator()
+            weights = smem.allocate_tensor(cutlass.Float32, cute.make_layout(MAX_SPLITS), 16)
+            scratch = smem.allocate_tensor(cutlass.Float32, cute.make_layout(WARPS), 16)
+            sums = smem.allocate_tensor(cutlass.Float32, cute.make_layout((LATENT_DIM, WARPS), stride=(1, LATENT_DIM)), 16)
             first = split_offset[request]
-            # Pass 1: the largest LSE (base 2). Pass 2: the sum of 2^(lse_s - max).
-            lse_max = -cutlass.Float32.inf
-            for s in cutlass.range(splits):
-                lse_max = cute.arch.fmax(lse_max, partial_lse[first + s, row] * LOG2_E)
+
+            # The largest LSE (base 2), then the weights 2^(lse_s - max) and their sum, all splits at once.
+            local_max = -cutlass.Float32.inf
+            for s in cutlass.range(tidx, splits, THREADS):
+                local_max = cute.arch.fmax(local_max, partial_lse[first + s, row] * LOG2_E)
+            lse_max = self._block_reduce(local_max, scratch, warp, lane, True)
             anchor = lse_max
             if lse_max == -cutlass.Float32.inf:
-                anchor = cutlass.Float32(0.0)  # every partial empty: weights are all 0
-            total = cutlass.Float32(0.0)
-            for s in cutlass.range(splits):
-                total += cute.arch.exp2(partial_lse[first + s, row] * LOG2_E - anchor)
+                anchor = cutlass.Float32(0.0)  # every partial empty: all weights are 0
+            local_sum = cutlass.Float32(0.0)
+            for s in cutlass.range(tidx, splits, THREADS):
+                w = cute.math.exp2(partial_lse[first + s, row] * LOG2_E - anchor, fastmath=True)
+                weights[s] = w
+                local_sum += w
+            total = self._block_reduce(local_sum, scratch, warp, lane, False)  # its barriers publish weights
             inv_total = cutlass.Float32(0.0)
             if total > cutlass.Float32(0.0):
                 inv_total = cutlass.Float32(1.0) / total
 
             # 16-byte accesses: every vector starts at a multiple of 4 elements of a 16-byte aligned row.
             load_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), cutlass.Float32, num_bits_per_copy=128)
-            store_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), cutlass.BFloat16, num_bits_per_copy=64)
             acc = cute.make_rmem_tensor((VEC, VECS_PER_LANE), cutlass.Float32)
             acc.fill(0.0)
-            part = cute.make_rmem_tensor((VEC,), cutlass.Float32)
-            for s in cutlass.range(splits):
-                weight = cute.arch.exp2(partial_lse[first + s, row] * LOG2_E - anchor) * inv_total
+            part = cute.make_rmem_tensor((VEC, VECS_PER_LANE), cutlass.Float32)
+            for s in cutlass.range(warp, splits, WARPS):
+                weight = weights[s] * inv_total
                 src = partial_out[first + s, row, None]
                 for k in cutlass.range_constexpr(VECS_PER_LANE):
-                    cute.copy(load_atom, cute.local_tile(src, (VEC,), (lane + 32 * k,)), part)
+                    cute.copy(load_atom, cute.local_tile(src, (VEC,), (lane + 32 * k,)), part[None, k])
+                for k in cutlass.range_constexpr(VECS_PER_LANE):
                     for i in cutlass.range_constexpr(VEC):
-                        acc[i, k] += weight * part[i]
-
-            dst = out[request, row, None]
-            packed = cute.make_rmem_tensor((VEC,), cutlass.BFloat16)
+                        acc[i, k] += weight * part[i, k]
             for k in cutlass.range_constexpr(VECS_PER_LANE):
                 for i in cutlass.range_constexpr(VEC):
-                    packed[i] = acc[i, k].to(cutlass.BFloat16)
-                cute.copy(store_atom, packed, cute.local_tile(dst, (VEC,), (lane + 32 * k,)))
-            if lane == 0:
+                    sums[(lane + 32 * k) * VEC + i, warp] = acc[i, k]
+            cute.arch.barrier()
+
+            # Thread t adds the 8 warps' sums of columns 2t, 2t+1 and stores them as one bf16 pair.
+            pair = cute.make_rmem_tensor((2,), cutlass.BFloat16)
+            for i in cutlass.range_constexpr(2):
+                column = tidx * 2 + i
+                value = sums[column, 0]
+                for w in cutlass.range_constexpr(1, WARPS):
+                    value += sums[column, w]
+                pair[i] = value.to(cutlass.BFloat16)
+            cute.autovec_copy(pair, cute.local_tile(dst, (2,), (tidx,)))
+            if tidx == 0:
                 result = -cutlass.Float32.inf
                 if total > cutlass.Float32(0.0):
                     result = (anchor + cute.math.log2(total)) * LN_2
@@ -133,6 +174,9 @@ def run_combine_sm90(plan, partial_out: torch.Tensor, partial_lse: torch.Tensor,
     rows = q_len * heads
     if batch == 0:
         return
+    if plan.num_ctas > MAX_SPLITS:
+        raise ValueError(f"the combine kernel merges at most {MAX_SPLITS} splits per request; "
+                         f"the plan has {plan.num_ctas} CTAs")
     args = (to_cute(partial_out.view(-1, rows, LATENT_DIM)), to_cute(partial_lse.view(-1, rows)),
             to_cute(out.view(batch, rows, LATENT_DIM)), to_cute(lse.view(batch, rows)),
             to_cute(plan.num_splits, align=4), to_cute(plan.split_offset, align=4), cuda_stream(stream))
