@@ -159,6 +159,27 @@ def run_case(case: Case, bandwidth: float, fp8_flops: float, reps: int, check: b
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e-3)
+    # The planner and the combine alone (graph replays, L2 warm: their inputs are small).
+    from mla_backend.hopper.combine_sm90 import run_combine_sm90
+
+    def plan_only():
+        plan_splits(seq_lens, q_len=case.q_len, num_heads=case.heads, page_size=page, out=plan)
+
+    def combine_only():
+        run_combine_sm90(plan, ws.partial_out, ws.partial_lse, out, lse, torch.cuda.current_stream())
+
+    for key, fn in (("planner_us", plan_only), ("combine_us", combine_only)):
+        part = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(part):
+            fn()
+        part.replay()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(20):
+            part.replay()
+        end.record()
+        end.synchronize()
+        case.results[key] = start.elapsed_time(end) * 1e3 / 20
     bytes_moved, flops = case_bytes_and_flops(case)
     floor = max(bytes_moved / bandwidth, flops / fp8_flops)
     t = statistics.median(times)
@@ -191,23 +212,25 @@ def main(argv=None) -> int:
         run_case(case, bandwidth, fp8, args.reps, args.check)
         r = case.results
         print(f"  {case.name:<28} {r['time_us']:9.1f} us  floor {r['floor_us']:8.1f} us  ratio {r['ratio']:5.2f}"
+              + f"  planner {r['planner_us']:5.1f} us  combine {r['combine_us']:5.1f} us"
               + (f"  err {r['rel_err']:.1e}" if "rel_err" in r else "") + f"  ({time.perf_counter() - t0:.0f} s)",
               flush=True)
 
     os.makedirs(args.out_dir, exist_ok=True)
     csv_path = os.path.join(args.out_dir, "bench_decode.csv")
-    keys = ["time_us", "floor_us", "ratio", "kv_mb", "bound", "spread"] + (["rel_err"] if args.check else [])
+    keys = ["time_us", "floor_us", "ratio", "kv_mb", "bound", "spread", "planner_us", "combine_us"] + (["rel_err"] if args.check else [])
     with open(csv_path, "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["case", "heads", "q_len", "page", "batch"] + keys)
         for c in cases:
             w.writerow([c.name, c.heads, c.q_len, c.page_size, len(c.lengths)] + [c.results.get(k, "") for k in keys])
     print()
-    print(f"| case | time (us) | floor (us) | time / floor | bound |")
-    print(f"| --- | ---: | ---: | ---: | --- |")
+    print("| case | time (us) | floor (us) | time / floor | bound | planner (us) | combine (us) |")
+    print("| --- | ---: | ---: | ---: | --- | ---: | ---: |")
     for c in cases:
         r = c.results
-        print(f"| {c.name} | {r['time_us']:.1f} | {r['floor_us']:.1f} | {r['ratio']:.2f} | {r['bound']} |")
+        print(f"| {c.name} | {r['time_us']:.1f} | {r['floor_us']:.1f} | {r['ratio']:.2f} | {r['bound']} "
+              f"| {r['planner_us']:.1f} | {r['combine_us']:.1f} |")
     try:
         import matplotlib
         matplotlib.use("Agg")
