@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 
 import cutlass
+import cutlass.memory
 import cutlass.cute as cute
 import torch
 
@@ -85,7 +86,7 @@ class CombineSplitsSM90:
             if tidx == 0:
                 lse[request, row] = -cutlass.Float32.inf
         if splits > 1:
-            smem = cutlass.utils.SmemAllocator()
+            smem = cutlass.memory.SmemAllocator()
             weights = smem.allocate_tensor(cutlass.Float32, cute.make_layout(MAX_SPLITS), 16)
             scratch = smem.allocate_tensor(cutlass.Float32, cute.make_layout(WARPS), 16)
             sums = smem.allocate_tensor(cutlass.Float32, cute.make_layout((LATENT_DIM, WARPS), stride=(1, LATENT_DIM)), 16)

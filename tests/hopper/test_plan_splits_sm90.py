@@ -1,0 +1,45 @@
+"""The one-CTA planner kernel: compiles for sm_90a on CPU; on the GPU its plan equals the torch planner's."""
+
+import pytest
+import torch
+
+from mla_backend import SplitPlan, plan_splits
+from mla_backend.hopper.plan_splits_sm90 import compile_plan_splits_sm90
+
+
+@pytest.mark.parametrize("max_batch,num_ctas", [(1, 1), (16, 132), (256, 132), (1024, 264), (3000, 7)])
+def test_planner_kernel_compiles_for_sm90a(max_batch, num_ctas):
+    assert compile_plan_splits_sm90(max_batch, num_ctas, 64, 5) is not None
+
+
+def batches(gen):
+    yield [0]
+    yield [1]
+    yield [1 << 20]
+    yield [1 << 20] + [4096] * 15
+    yield [131072] + [2048] * 63
+    yield [0] * 200
+    yield [0, 1, 63, 64, 65, 4096, 131072, 1 << 20] * 20
+    for _ in range(40):
+        n = int(torch.randint(1, 300, (1,), generator=gen))
+        top = int(torch.randint(1, 1 << 20, (1,), generator=gen))
+        yield torch.randint(0, top, (n,), generator=gen).tolist()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_ctas,overhead,tile", [(132, 5, 64), (7, 0, 64), (264, 3, 32), (1, 5, 64)])
+def test_planner_kernel_equals_torch_planner(num_ctas, overhead, tile):
+    gen = torch.Generator().manual_seed(num_ctas + overhead)
+    for lengths in batches(gen):
+        max_batch = len(lengths) + 5
+        seq_lens = torch.tensor(lengths, dtype=torch.int32)
+        want = plan_splits(seq_lens, q_len=1, num_heads=12, page_size=32, tile_tokens=tile, num_ctas=num_ctas,
+                           max_batch=max_batch, segment_overhead=overhead)
+        plan = SplitPlan.empty(max_batch, num_ctas, tile, overhead, device="cuda")
+        for t in plan.tensors():
+            t.fill_(-7)  # every entry must be written
+        got = plan_splits(seq_lens.cuda(), q_len=1, num_heads=12, page_size=32, out=plan)
+        names = ["cta_tile_start", "cta_first_request", "request_tile_start", "request_first_cta", "num_splits",
+                 "split_offset"]
+        for name, a, b in zip(names, got.tensors(), want.tensors()):
+            assert torch.equal(a.cpu(), b), (name, lengths[:8], a.cpu()[:16], b[:16])
