@@ -33,3 +33,13 @@ def test_plan_command_runs_as_a_module():
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "splits per request: 0, 1 x5" in result.stdout
+
+
+@pytest.mark.parametrize("heads,q_len,page", [(12, 1, 32), (16, 8, 64)])
+def test_compile_command_builds_the_decode_path_without_a_gpu(heads, q_len, page):
+    result = subprocess.run([sys.executable, "-m", "mla_backend", "compile", "--arch", "sm_90a", "--heads", str(heads),
+                             "--q-len", str(q_len), "--page-size", str(page)],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    for kernel in ("decode ", "combine ", "planner "):
+        assert kernel + "sm_90a" in result.stdout
