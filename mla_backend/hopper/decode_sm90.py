@@ -2,49 +2,49 @@
 
 What one CTA does
 -----------------
-Grid (num_ctas, num_row_blocks). CTA (c, rb) walks the global KV tiles [cta_tile_start[c], cta_tile_start[c+1])
+Grid (num_row_blocks, num_ctas). CTA (rb, c) walks the global KV tiles [cta_tile_start[c], cta_tile_start[c+1])
 of the split plan (`mla_backend.planner`), cut into segments = (request b, local tiles [t0, t1)). For each segment
 it attends the query rows [rb*ROWS, rb*ROWS + ROWS) of request b (row r = t*H + h of q[b].view(R, 576)) over the
 tokens [t0*T, min(t1*T, L_b)), with causal masking j <= L_b - q_len + t, and writes either the final bf16 output
 and natural-log lse (num_splits[b] == 1) or an fp32 partial into workspace slot
-split_offset[b] + c - request_first_cta[b] (the combine kernel merges those).
+split_offset[b] + c - request_first_cta[b] (the combine kernel merges those). The row block is the fastest grid
+index so that the row blocks of one plan CTA run side by side and read each KV tile from L2 after the first.
 
-Data path (first version: Ampere-style warp MMA, proven CuTe DSL building blocks)
---------------------------------------------------------------------------------
-- KV is gathered through the block table with 16-byte cp.async into an FP8 staging ring of NUM_STAGES chunks
-  (CHUNK tokens x 576 B each). Tokens past the segment end are zero-filled in shared memory (never loaded), so
-  the block table is never read past ceil(L_b / page_size) entries and no page past the request's last one is
-  touched.
-- Each chunk is converted once, FP8 E4M3 -> F16, into a swizzled shared tile (cvt.rn.f16x2.e4m3x2: one
-  instruction per two values). E4M3 is exact in f16 (and f16 keeps P = exp(s - m) with 10 mantissa bits instead
-  of bf16's 7), so f16 MMA with fp32 accumulation equals FP8 MMA up to accumulation order. The f16 tile serves
-  as K (all 576 columns) for S = Q.K^T and, read with ldmatrix.trans, as V (first 512 columns) for O += P.V:
-  the latent is read from DRAM once per chunk per CTA.
-- Q (ROWS x 576) is gathered once per segment the same way (staged through the f16 KV buffer) and kept in
-  shared memory as f16.
-- S: warps are split as (S_WARPS_N token groups of 16) x (S_K_GROUPS slices of the 576-wide K); each group
-  writes its fp32 partial S to shared memory and the softmax threads sum them. This halves (CHUNK 64) the
-  shared-memory reads of Q compared with every warp walking all of K.
-- Online softmax in base 2 with the scale folded (scale_log2 = softmax_scale * q_scale * k_scale * log2 e):
-  NUM_THREADS / ROWS threads per row, shuffle reductions, P stored as f16 in shared memory, the per-row
-  rescale factor in shared memory.
-- O (ROWS x 512, fp32) lives in registers: 8 warps split the 512 columns (16 columns per warp per 128-column
-  block), ROWS*512/256 fp32 per thread (32 for ROWS 16, 64 for ROWS 32).
+Data path: FP8 end to end, warp-level `mma.m16n8k32.e4m3`
+--------------------------------------------------------
+- KV is gathered through the block table with 16-byte cp.async into a ring of NUM_STAGES chunks (CHUNK tokens
+  x 576 B, rows padded to 592 B so that the 8 row addresses of every ldmatrix fall in distinct banks). Tokens
+  past the segment end are zero-filled in shared memory (never loaded), so the block table is never read past
+  ceil(L_b / page_size) entries.
+- The FP8 chunk is used as it landed, for both products: it is read from DRAM once per CTA.
+  * S = Q.K^T: K is K-major in the cache, so plain ldmatrix gives the e4m3 B registers. Q (ROWS x 576) is
+    loaded into registers once per segment. Warps split as 4 token groups of 16 x 2 halves of K = 576; the two
+    fp32 partials meet in shared memory.
+  * O += P.V: V (the first 512 bytes of each token) is token-major, the MMA wants k = token contiguous per
+    register. ldmatrix.trans (b16) on 8 tokens x 16 bytes gives lane (g, t) the byte pairs of tokens (2t, 2t+1)
+    at dims (2g, 2g+1); two `prmt` per 4 matrices regroup them into the B registers of the even and the odd
+    dims. The k order this produces is token pi(k) = 16*(k/16) + 8*((k%4)/2) + 2*((k%16)/4) + k%2; the softmax
+    writes P in that order, so no data moves twice. Lane (g, t) then owns dims d0 + 4t .. d0 + 4t + 3.
+  An earlier version converted each chunk to f16 in shared memory and ran f16 MMAs; that tripled the
+  shared-memory traffic per chunk and capped the kernel at ~1.8 TB/s of KV (docs/performance.md).
+- Online softmax in base 2 with the scale folded (scale_log2 = softmax_scale * q_scale * k_scale * log2 e),
+  fp32 throughout: NUM_THREADS / ROWS threads per row, shuffle reductions, the per-row rescale in shared memory.
+- P goes to the FP8 MMA as two e4m3 planes, hi = e4m3(p * 256) and lo = e4m3(p * 256 - hi), with one MMA each.
+  One e4m3 plane alone (3 mantissa bits, up to 6.25% relative error per p) gives ~2% relative error on the
+  output when attention is spread over many tokens, because the per-token errors do not average out against
+  an output that is itself an average. hi + lo represents p to ~2^-8 relative (p * 256 keeps p >= 2^-14 out of
+  e4m3's subnormals), which with fp32 accumulation and the bf16 output keeps the relative L2 error against the
+  fp32 reference below 5e-3 (tests/hopper). The second plane costs one extra MMA per P.V step, which fits in
+  the tensor-pipe budget (the kernel is bound by memory and shared memory, not MMA issue).
+- O (ROWS x 512, fp32) lives in registers: warp w owns dims [64w, 64w + 64), ROWS * 512 / 256 per thread.
 
 Rows per block
 --------------
-ROWS is 16 when R = q_len * H <= 16 (one MMA M tile) and 32 otherwise; R > ROWS uses several row blocks
-(blockIdx.y). Each row block re-reads the KV of its segments: R = 1024 (H 128, q_len 8) with ROWS 32 means 32
-reads of every tile (from L2 when the row blocks of a CTA column run together, which the fixed grid does not
-guarantee). That is the price of this first version; see the report for the wgmma design that removes it.
+ROWS is 16 when R = q_len * H <= 16 (one MMA M tile) and 32 otherwise; R > ROWS uses several row blocks.
+96 rows (H 12, q_len 8) would need 192 KB of fp32 O: more than the register file, so row blocks stay.
 
-Shared memory per CTA (CHUNK 64, 2 stages): 72 KiB FP8 ring + 72 KiB f16 KV + ROWS*1152 B f16 Q + S partials
-(2 x ROWS x 72 x 4 B) + P (ROWS x 128 B): 178,176 B for ROWS 16, 207,872 B for ROWS 32 (one CTA per SM).
-Registers (ptxas, sm_90a): 184 (ROWS 16) / 222 (ROWS 32), no spills.
-
-Measured on an H200 (first version): 64 requests x 8192 tokens, 132 CTAs: H 12 q 1 page 32: 182 us (1.66 TB/s of
-KV); H 16 q 2 page 64: 214 us (1.41 TB/s). A third ring stage changes nothing: the CTA is bound by its own
-shared-memory traffic (FP8 -> f16 conversion, ldmatrix of Q/K/V) and barriers, not by load latency.
+Shared memory per CTA (CHUNK 64, 4 stages): 148 KiB ring + ROWS x 592 B Q + 2 x ROWS x 72 x 4 B S partials +
+2 x ROWS x 80 B P: 170 KB (ROWS 16) / 192 KB (ROWS 32).
 """
 
 from __future__ import annotations
@@ -55,14 +55,31 @@ from typing import Optional
 import cutlass
 import cutlass.memory
 import cutlass.cute as cute
-from cutlass import Float16, Float32, Int32
-from cutlass.cute.nvgpu import cpasync, warp
+from cutlass import Float32, Int32
+from cutlass.cute.nvgpu import cpasync
+
+from .warp_fp8 import (fence_operand, fence_proxy_async_smem, ldmatrix_x4, mma_m16n8k32_e4m3, prmt,
+                       quantize_p_hi_lo, wgmma_commit, wgmma_fence, wgmma_rs_e4m3, wgmma_ss_e4m3, wgmma_wait)
 
 KV_DIM = 576
 V_DIM = 512
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 SM90_SMEM_CAPACITY = 227 * 1024  # dynamic shared memory per CTA
+# KV and Q in shared memory: K-major 128B-swizzled blocks of 128 bytes per row (the wgmma canonical layout):
+# byte (row r, piece c16 of block kb) lives at kb * BLOCK + r * 128 + ((c16 ^ (r % 8)) * 16). 576 bytes = 4.5
+# blocks; the rope half block keeps its own 128-byte rows.
+KV_BLOCKS = 5
+# P^T (rows x 64 tokens, K-major) for the P.V wgmma: 8-row x 16-byte core matrices of 128 contiguous bytes,
+# P_LBO apart along the tokens, P_SBO apart along the rows; one such plane for hi and one for lo.
+P_LBO = 128
+P_SBO = 4 * 128
+P_SCALE = 256.0  # P is stored as e4m3(p * 256): p in [2^-14, 1] stays normal, p * 256 <= 448
+NUM_WARPS = 8
+NUM_THREADS = 32 * NUM_WARPS
+S_TOKEN_GROUPS = 4  # S = Q.K^T: 4 warps x 16 tokens ...
+S_K_GROUPS = 2  # ... x 2 halves of the 576 bytes (9 k32 steps each)
+S_STRIDE = 64 + 8  # padded fp32 row of the S partials
 
 FP8 = cutlass.Float8E4M3FN
 BF16 = cutlass.BFloat16
@@ -84,13 +101,19 @@ class MLADecodeSM90:
         causal: bool = True,
         rows_per_block: Optional[int] = None,
         chunk_tokens: int = 64,
-        num_warps: int = 8,
-        num_stages: int = 2,
+        num_warps: int = NUM_WARPS,
+        num_stages: int = 4,
     ):
         if page_size <= 0 or page_size & (page_size - 1):
             raise ValueError(f"page_size must be a power of two, got {page_size}")
         if tile_tokens <= 0 or (tile_tokens % page_size and page_size % tile_tokens):
             raise ValueError(f"tile_tokens ({tile_tokens}) and page_size ({page_size}) must divide one another")
+        if chunk_tokens != 64:
+            raise ValueError(f"chunk_tokens must be 64 (4 token groups x 16), got {chunk_tokens}")
+        if num_warps != NUM_WARPS:
+            raise ValueError(f"num_warps must be {NUM_WARPS}, got {num_warps}")
+        if num_stages < 2:
+            raise ValueError(f"num_stages must be at least 2, got {num_stages}")
         self.num_heads = num_heads
         self.q_len = q_len
         self.num_rows = num_heads * q_len  # R
@@ -98,44 +121,17 @@ class MLADecodeSM90:
         self.tile_tokens = tile_tokens
         self.causal = bool(causal)
         self.rows = rows_per_block or default_rows_per_block(num_heads, q_len)
+        if self.rows not in (16, 32):
+            raise ValueError(f"rows_per_block must be 16 or 32, got {self.rows}")
         self.num_row_blocks = (self.num_rows + self.rows - 1) // self.rows
         self.chunk = chunk_tokens
         self.num_warps = num_warps
-        self.num_threads = 32 * num_warps
+        self.num_threads = NUM_THREADS
         self.num_stages = num_stages
-        if self.rows % 16 or self.rows > 64:
-            raise ValueError(f"rows_per_block must be 16, 32, 48 or 64, got {self.rows}")
-        if self.chunk not in (32, 64):
-            raise ValueError(f"chunk_tokens must be 32 or 64, got {self.chunk}")
-        # S = Q.K^T: S_WARPS_N warps over the chunk's tokens (16 each) x S_K_GROUPS slices of K = 576.
-        self.s_warps_n = self.chunk // 16
-        if self.num_warps % self.s_warps_n:
-            raise ValueError("num_warps must be a multiple of chunk_tokens / 16")
-        self.s_k_groups = self.num_warps // self.s_warps_n
-        self.k_steps = KV_DIM // 16  # 36
-        if self.k_steps % self.s_k_groups:
-            raise ValueError(f"{self.s_k_groups} K groups do not divide the 36 K steps")
-        # O += P.V: all warps over the 512 output columns, 16 columns per warp per block.
-        if V_DIM % (16 * self.num_warps):
-            raise ValueError("512 must be a multiple of 16 * num_warps")
-        # Softmax: THREADS_PER_ROW consecutive threads own one row.
-        self.tpr = self.num_threads // self.rows
-        if self.tpr > 32 or self.tpr & (self.tpr - 1) or self.chunk % self.tpr:
-            raise ValueError(f"unsupported rows_per_block {self.rows} for {self.num_threads} threads")
-        # Q's FP8 staging is aliased onto the f16 KV buffer.
-        if self.rows > 2 * self.chunk:
-            raise ValueError("rows_per_block must be at most 2 * chunk_tokens")
-        self.s_stride = self.chunk + 8  # padded fp32 row of the S partials (bank-conflict-free fragment stores)
-
-    def _swizzled_f16_layout(self, rows: int, cols: int):
-        # 8 rows x 64 f16 (128 B) atoms, XOR-swizzled by 16-byte chunk: conflict-free ldmatrix and 16 B stores.
-        if cols % 64 == 0:
-            atom = cute.make_composed_layout(cute.make_swizzle(3, 3, 3), 0,
-                                             cute.make_layout((8, 64), stride=(64, 1)))
-        else:
-            atom = cute.make_composed_layout(cute.make_swizzle(2, 3, 3), 0,
-                                             cute.make_layout((8, 32), stride=(32, 1)))
-        return cute.tile_to_shape(atom, (rows, cols), (0, 1))
+        self.m_blocks = self.rows // 16
+        assert 4 * self.chunk == NUM_THREADS  # _load_chunk: 4 threads per token
+        self.tpr = NUM_THREADS // self.rows  # softmax threads per row: 16 or 8
+        self.words_per_thread = (self.chunk // 4) // self.tpr  # P words (4 tokens) per softmax thread
 
     @cute.jit
     def __call__(
@@ -197,64 +193,29 @@ class MLADecodeSM90:
                                                                  stride=(1, V_DIM, R * V_DIM)))
         mPLse = cute.make_tensor(p_partial_lse, cute.make_layout((R, num_slots), stride=(1, R)))
 
-        # ---- shared memory ----
-        sKV16_layout = self._swizzled_f16_layout(C, KV_DIM)
-        sQ16_layout = self._swizzled_f16_layout(ROWS, KV_DIM)
-        sP_layout = self._swizzled_f16_layout(ROWS, C)
-
         @cute.struct
         class SharedStorage:
-            ring: cute.struct.Align[cute.struct.MemRange[FP8, NS * C * KV_DIM], 128]
-            kv16: cute.struct.Align[cute.struct.MemRange[Float16, cute.cosize(sKV16_layout)], 1024]
-            q16: cute.struct.Align[cute.struct.MemRange[Float16, cute.cosize(sQ16_layout)], 1024]
-            s: cute.struct.Align[cute.struct.MemRange[Float32, self.s_k_groups * ROWS * self.s_stride], 128]
-            p: cute.struct.Align[cute.struct.MemRange[Float16, cute.cosize(sP_layout)], 1024]
+            ring: cute.struct.Align[cute.struct.MemRange[FP8, NS * C * 128 * KV_BLOCKS], 1024]
+            q: cute.struct.Align[cute.struct.MemRange[FP8, ROWS * 128 * KV_BLOCKS], 1024]
+            s: cute.struct.Align[cute.struct.MemRange[Float32, S_K_GROUPS * ROWS * S_STRIDE], 128]
+            p: cute.struct.Align[cute.struct.MemRange[FP8, 2 * ROWS * 64], 128]
             alpha: cute.struct.Align[cute.struct.MemRange[Float32, ROWS], 16]
             inv_l: cute.struct.Align[cute.struct.MemRange[Float32, ROWS], 16]
 
-        # ---- copies ----
         atom_cp_async = cute.make_copy_atom(
             cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), FP8, num_bits_per_copy=128)
-        # FP8 ring -> f16 tile conversion: 8 values per thread per step, (NT/8, 8) threads.
-        conv_thr = cute.make_layout((self.num_threads // 8, 8), stride=(8, 1))
-        conv_val = cute.make_layout((1, 8))
-        conv_copy_f8 = cute.make_tiled_copy_tv(
-            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), FP8, num_bits_per_copy=64), conv_thr, conv_val)
-        conv_copy_f16 = cute.make_tiled_copy_tv(
-            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float16, num_bits_per_copy=128), conv_thr, conv_val)
-        q_conv_rows = min(ROWS, self.num_threads // 8)
-        qconv_thr = cute.make_layout((q_conv_rows, 8), stride=(8, 1))
-        qconv_copy_f8 = cute.make_tiled_copy_tv(
-            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), FP8, num_bits_per_copy=64), qconv_thr, conv_val)
-        qconv_copy_f16 = cute.make_tiled_copy_tv(
-            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float16, num_bits_per_copy=128), qconv_thr, conv_val)
-
-        # ---- MMAs (f16 x f16 -> f32, m16n8k16) ----
-        tiled_mma_s = cute.make_tiled_mma(
-            warp.MmaF16BF16Op(Float16, Float32, (16, 8, 16)),
-            (1, self.s_warps_n, 1),
-            permutation_mnk=(16, self.s_warps_n * 16, 16),
-        )
-        tiled_mma_o = cute.make_tiled_mma(
-            warp.MmaF16BF16Op(Float16, Float32, (16, 8, 16)),
-            (1, self.num_warps, 1),
-            permutation_mnk=(16, self.num_warps * 16, 16),
-        )
 
         self.shared_storage_bytes = SharedStorage.size_in_bytes()  # recorded at trace time, for reports
         if cutlass.const_expr(self.shared_storage_bytes > SM90_SMEM_CAPACITY):
             raise ValueError(f"{self.shared_storage_bytes} B of shared memory do not fit an SM90 CTA "
-                             f"({SM90_SMEM_CAPACITY} B): lower num_stages, chunk_tokens or rows_per_block")
+                             f"({SM90_SMEM_CAPACITY} B): lower num_stages or rows_per_block")
         scale_log2 = softmax_scale * LOG2E
         self.kernel(
             mQ, mKV, mBT, mSeq, mQScale, mKScale,
             mCtaTileStart, mCtaFirstReq, mReqTileStart, mReqFirstCta, mNumSplits, mSplitOffset,
-            mOut, mLse, mPOut, mPLse, scale_log2,
-            sKV16_layout, sQ16_layout, sP_layout,
-            atom_cp_async, conv_copy_f8, conv_copy_f16, qconv_copy_f8, qconv_copy_f16,
-            tiled_mma_s, tiled_mma_o, SharedStorage,
+            mOut, mLse, mPOut, mPLse, scale_log2, atom_cp_async, SharedStorage,
         ).launch(
-            grid=(num_ctas, self.num_row_blocks, 1),
+            grid=(self.num_row_blocks, num_ctas, 1),
             block=(self.num_threads, 1, 1),
             stream=stream,
         )
@@ -280,33 +241,28 @@ class MLADecodeSM90:
         mPOut: cute.Tensor,
         mPLse: cute.Tensor,
         scale_log2_base: Float32,
-        sKV16_layout: cute.ComposedLayout,
-        sQ16_layout: cute.ComposedLayout,
-        sP_layout: cute.ComposedLayout,
         atom_cp_async: cute.CopyAtom,
-        conv_copy_f8: cute.TiledCopy,
-        conv_copy_f16: cute.TiledCopy,
-        qconv_copy_f8: cute.TiledCopy,
-        qconv_copy_f16: cute.TiledCopy,
-        tiled_mma_s: cute.TiledMma,
-        tiled_mma_o: cute.TiledMma,
         SharedStorage: cutlass.Constexpr,
     ):
         R = self.num_rows
         H = self.num_heads
-        P = self.page_size
         T = self.tile_tokens
         C = self.chunk
         ROWS = self.rows
         NS = self.num_stages
         NT = self.num_threads
         TPR = self.tpr
-        KG = self.s_k_groups
+        MB = self.m_blocks
         PIECES = KV_DIM // 16  # 16-byte pieces per token row
+        KSTEPS = KV_DIM // 32 // S_K_GROUPS  # k32 steps per K half: 9
 
         tidx, _, _ = cute.arch.thread_idx()
-        cta, rb, _ = cute.arch.block_idx()
+        rb, cta, _ = cute.arch.block_idx()
         row0 = rb * ROWS
+        warp_idx = tidx // 32
+        lane = tidx % 32
+        lg = lane // 4  # MMA fragment row group
+        lt = lane % 4  # MMA fragment thread-in-group
 
         q_scale = mQScale[0]
         k_scale = mKScale[0]
@@ -315,76 +271,36 @@ class MLADecodeSM90:
         # ---- shared memory ----
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(SharedStorage)
-        sRing = storage.ring.get_tensor(
-            cute.make_layout((16, PIECES, C, NS), stride=(1, 16, KV_DIM, C * KV_DIM)))
-        sRingMN = storage.ring.get_tensor(
-            cute.make_layout((C, KV_DIM, NS), stride=(KV_DIM, 1, C * KV_DIM)))
-        sKV = storage.kv16.get_tensor(sKV16_layout)  # (C, 576) f16
-        sQ = storage.q16.get_tensor(sQ16_layout)  # (ROWS, 576) f16
-        # Q's FP8 staging aliases the f16 KV tile (ROWS x 576 B <= C x 1152 B); used only between segments.
-        q8_ptr = cute.recast_ptr(storage.kv16.data_ptr(), dtype=FP8)
-        sQ8 = cute.make_tensor(q8_ptr, cute.make_layout((16, PIECES, ROWS), stride=(1, 16, KV_DIM)))
-        sQ8MN = cute.make_tensor(q8_ptr, cute.make_layout((ROWS, KV_DIM), stride=(KV_DIM, 1)))
+        swz = cute.make_swizzle(3, 4, 3)  # XOR byte-offset bits 4-6 (16 B piece) with bits 7-9 (row % 8)
+        sRing = storage.ring.get_tensor(cute.make_composed_layout(swz, 0, cute.make_layout(
+            (16, (8, KV_BLOCKS), C, NS), stride=(1, (16, C * 128), 128, C * 128 * KV_BLOCKS))))
+        sQ8 = storage.q.get_tensor(cute.make_composed_layout(swz, 0, cute.make_layout(
+            (16, (8, KV_BLOCKS), ROWS), stride=(1, (16, ROWS * 128), 128))))
         sS = storage.s.get_tensor(
-            cute.make_layout((ROWS, C, KG), stride=(self.s_stride, 1, ROWS * self.s_stride)))
-        sP = storage.p.get_tensor(sP_layout)  # (ROWS, C) f16
+            cute.make_layout((ROWS, C, S_K_GROUPS), stride=(S_STRIDE, 1, ROWS * S_STRIDE)))
+        # P words: (word w of the row = tokens pi(4w..4w+3), row, plane) in the core-matrix layout
+        sPw = cute.make_tensor(cute.recast_ptr(storage.p.data_ptr(), dtype=Int32), cute.make_layout(
+            ((4, 4), (8, ROWS // 8), 2), stride=((1, P_LBO // 4), (4, P_SBO // 4), ROWS * 16)))
         sAlpha = storage.alpha.get_tensor(cute.make_layout((ROWS,)))
         sInvL = storage.inv_l.get_tensor(cute.make_layout((ROWS,)))
-        # V^T view of the f16 tile: (512, C), element (d, n) = sKV[n, d].
-        sVt = cute.composition(sKV, cute.make_layout((V_DIM, C), stride=(C, 1)))
+        ring_addr = storage.ring.data_ptr().toint()
+        q_addr = storage.q.data_ptr().toint()
+        p_addr = storage.p.data_ptr().toint()
 
-        # ---- conversion partitions ----
-        thr_conv8 = conv_copy_f8.get_slice(tidx)
-        thr_conv16 = conv_copy_f16.get_slice(tidx)
-        tCsKV = thr_conv16.partition_D(sKV)
-        tCrKV = cute.make_fragment_like(tCsKV, Float16)
-        q_conv_threads = min(ROWS, NT // 8) * 8
-        qtid = tidx % q_conv_threads
-        thr_qconv8 = qconv_copy_f8.get_slice(qtid)
-        thr_qconv16 = qconv_copy_f16.get_slice(qtid)
-        tQCs8 = thr_qconv8.partition_S(sQ8MN)
-        tQCs16 = thr_qconv16.partition_D(sQ)
-        tQCr = cute.make_fragment_like(tQCs16, Float16)
+        # ---- S = K.Q^T on the tensor cores: warpgroup wg runs the k32 steps [9 wg, 9 wg + 9) for all 64 tokens ----
+        wg = warp_idx // 4
+        wl = warp_idx % 4  # warp in the warpgroup: S^T rows (tokens) 16 wl + lg, + 8
+        # ---- O^T = V^T.P^T on the tensor cores: warpgroup wg owns dims [256 wg, 256 wg + 256) as 4 m64 tiles;
+        # in tile t, warp wl's 16 M rows are dims d0 = 64 (4 wg + t) + 16 wl: rows 0-7 the even dims d0 + 2g,
+        # rows 8-15 the odd ones. Its A registers come from ldmatrix.trans on tokens 32 ks + lane, 16 bytes at
+        # d0, which sit in block d0 / 128, piece (d0 % 128) / 16.
+        v_lane_off = lane * 128
 
-        # ---- S = Q.K^T partitions: group kg of S_WARPS_N warps handles K steps [kg*KPG, (kg+1)*KPG) ----
-        s_group_threads = self.s_warps_n * 32
-        gtid = tidx % s_group_threads
-        kg = tidx // s_group_threads
-        thr_mma_s = tiled_mma_s.get_slice(gtid)
-        tSrQ = thr_mma_s.make_fragment_A(thr_mma_s.partition_A(sQ))
-        tSrK = thr_mma_s.make_fragment_B(thr_mma_s.partition_B(sKV))
-        acc_shape_S = thr_mma_s.partition_shape_C((ROWS, C))
-        ldsm_q = cute.make_tiled_copy_A(
-            cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), Float16), tiled_mma_s)
-        ldsm_k = cute.make_tiled_copy_B(
-            cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), Float16), tiled_mma_s)
-        thr_ldsm_q = ldsm_q.get_slice(gtid)
-        thr_ldsm_k = ldsm_k.get_slice(gtid)
-        tSsQ = thr_ldsm_q.partition_S(sQ)
-        tSrQ_v = thr_ldsm_q.retile(tSrQ)
-        tSsK = thr_ldsm_k.partition_S(sKV)
-        tSrK_v = thr_ldsm_k.retile(tSrK)
-
-        # ---- O += P.V partitions ----
-        thr_mma_o = tiled_mma_o.get_slice(tidx)
-        tOrP = thr_mma_o.make_fragment_A(thr_mma_o.partition_A(sP))
-        tOrV = thr_mma_o.make_fragment_B(thr_mma_o.partition_B(sVt))
-        acc_O = cute.make_rmem_tensor(thr_mma_o.partition_shape_C((ROWS, V_DIM)), Float32)
-        ldsm_p = cute.make_tiled_copy_A(
-            cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), Float16), tiled_mma_o)
-        ldsm_v = cute.make_tiled_copy_B(
-            cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=True, num_matrices=4), Float16), tiled_mma_o)
-        thr_ldsm_p = ldsm_p.get_slice(tidx)
-        thr_ldsm_v = ldsm_v.get_slice(tidx)
-        tOsP = thr_ldsm_p.partition_S(sP)
-        tOrP_v = thr_ldsm_p.retile(tOrP)
-        tOsV = thr_ldsm_v.partition_S(sVt)
-        tOrV_v = thr_ldsm_v.retile(tOrV)
-        # row/column coordinates of this thread's O accumulators
-        cO = cute.make_identity_tensor((ROWS, V_DIM))
-        tOcO = thr_mma_o.partition_C(cO)
-        acc_O_mn = self._mn_view(acc_O)
-        tOcO_mn = self._mn_view(tOcO)
+        # ---- registers ----
+        acc_S = cute.make_rmem_tensor(cute.make_layout((ROWS // 2,)), Float32)
+        # O^T: 4 m64 tiles x ROWS / 2 accumulators
+        NA = ROWS // 2
+        acc_O = cute.make_rmem_tensor(cute.make_layout((4 * NA,)), Float32)
 
         # ---- softmax ownership: TPR consecutive threads per row ----
         srow = tidx // TPR
@@ -415,31 +331,31 @@ class MLADecodeSM90:
                 tok_end = cutlass.min(tok_end, seq_len - self.q_len + t_last + 1)
             n_chunks = cutlass.max(tok_end - tok_begin + (C - 1), 0) // C
 
-            # ---- Q of request b: cp.async into the FP8 staging (aliases sKV), padding rows zeroed ----
-            for i in cutlass.range_constexpr((ROWS * PIECES + NT - 1) // NT):
-                idx = tidx + i * NT
-                qrow = idx // PIECES
-                qpc = idx % PIECES
-                if idx < ROWS * PIECES:
-                    if row0 + qrow < R:
-                        cute.copy(atom_cp_async, mQ[None, qpc, row0 + qrow, b], sQ8[None, qpc, qrow])
-                    else:
-                        cute.autovec_copy(zero16, sQ8[None, qpc, qrow])
+            # ---- Q of request b: cp.async (thread t: row t / 4, pieces t % 4 + 4i), padding rows zeroed ----
+            qrow = tidx // 4
+            if qrow < ROWS:
+                if row0 + qrow < R:
+                    for i in cutlass.range_constexpr(PIECES // 4):
+                        cute.copy(atom_cp_async, mQ[None, tidx % 4 + 4 * i, row0 + qrow, b],
+                                  sQ8[None, tidx % 4 + 4 * i, qrow])
+                else:
+                    for i in cutlass.range_constexpr(PIECES // 4):
+                        cute.autovec_copy(zero16, sQ8[None, tidx % 4 + 4 * i, qrow])
             cute.arch.cp_async_commit_group()
 
-            # ---- prologue: the first NS chunks ----
-            for st in cutlass.range_constexpr(NS):
+            # ---- prologue: the first NS - 1 chunks ----
+            for st in cutlass.range_constexpr(NS - 1):
                 if st < n_chunks:
-                    self._load_chunk(mKV, mBT, atom_cp_async, sRing, zero16, b, tok_begin + st * C, tok_end,
-                                     st, tidx)
+                    page = self._lookup_page(mBT, b, tok_begin + st * C, tok_end, tidx)
+                    self._load_chunk(mKV, atom_cp_async, sRing, zero16, page, tok_begin + st * C, tok_end, st,
+                                     tidx)
                 cute.arch.cp_async_commit_group()
+            # The block-table entry of the next chunk to load is read one iteration early: a dependent global
+            # read right before the cp.async would stall every warp for its L2 latency once per chunk.
+            next_page = self._lookup_page(mBT, b, tok_begin + (NS - 1) * C, tok_end, tidx)
 
-            # ---- Q: FP8 -> f16 ----
-            cute.arch.cp_async_wait_group(NS)
+            cute.arch.cp_async_wait_group(NS - 1)
             cute.arch.barrier()
-            if tidx < q_conv_threads:
-                tQCr.store(tQCs8.load().to(Float16))
-                cute.copy(qconv_copy_f16, tQCr, tQCs16)
 
             # ---- per-segment state ----
             acc_O.fill(0.0)
@@ -449,49 +365,57 @@ class MLADecodeSM90:
             for ci in range(n_chunks):
                 stage = ci % NS
                 chunk_tok0 = tok_begin + ci * C
-                cute.arch.cp_async_wait_group(NS - 1)
-                cute.arch.barrier()  # chunk landed; previous P.V done with sKV/sP
-                # ---- FP8 ring stage -> f16 tile ----
-                tCsR = thr_conv8.partition_S(sRingMN[None, None, stage])
-                tCrKV.store(tCsR.load().to(Float16))
-                cute.copy(conv_copy_f16, tCrKV, tCsKV)
-                cute.arch.barrier()  # f16 tile ready; the ring stage is free
-                if ci + NS < n_chunks:
-                    self._load_chunk(mKV, mBT, atom_cp_async, sRing, zero16, b, chunk_tok0 + NS * C, tok_end,
-                                     stage, tidx)
+                cute.arch.cp_async_wait_group(NS - 2)
+                fence_proxy_async_smem()  # this thread's cp.async / zero-fill bytes -> visible to wgmma
+                cute.arch.barrier()  # chunk ci landed; P.V of chunk ci - 1 is done with its stage, sP, sAlpha
+                if ci + NS - 1 < n_chunks:
+                    self._load_chunk(mKV, atom_cp_async, sRing, zero16, next_page, chunk_tok0 + (NS - 1) * C,
+                                     tok_end, (ci + NS - 1) % NS, tidx)
                 cute.arch.cp_async_commit_group()
+                next_page = self._lookup_page(mBT, b, chunk_tok0 + NS * C, tok_end, tidx)
+                stage_addr = ring_addr + stage * (C * 128 * KV_BLOCKS)
 
-                # ---- S partials: group kg covers its K slice ----
-                acc_S = cute.make_rmem_tensor(acc_shape_S, Float32)
-                acc_S.fill(0.0)
-                kpg = self.k_steps // KG
-                for grp in cutlass.range_constexpr(KG):
-                    if kg == grp:
-                        for kk in cutlass.range_constexpr(kpg):
-                            k = grp * kpg + kk
-                            cute.copy(ldsm_q, tSsQ[None, None, k], tSrQ_v[None, None, k])
-                            cute.copy(ldsm_k, tSsK[None, None, k], tSrK_v[None, None, k])
-                            cute.gemm(tiled_mma_s, acc_S, tSrQ[None, None, k], tSrK[None, None, k], acc_S)
-                tSsS = thr_mma_s.partition_C(sS[None, None, kg])
-                cute.autovec_copy(acc_S, tSsS)
+                # ---- S^T partial of this warpgroup: 64 tokens x ROWS rows over its 9 k32 steps ----
+                wgmma_fence()
+                for kk in cutlass.range_constexpr(KSTEPS):
+                    ks = wg * KSTEPS + kk
+                    kb = ks // 4
+                    koff = (ks % 4) * 32
+                    d = wgmma_ss_e4m3(stage_addr + kb * (C * 128) + koff, q_addr + kb * (ROWS * 128) + koff,
+                                      [acc_S[i] for i in range(ROWS // 2)], 0 if kk == 0 else 1)
+                    for i in cutlass.range_constexpr(ROWS // 2):
+                        acc_S[i] = d[i]
+                wgmma_commit()
+                wgmma_wait(0)
+                for i in cutlass.range_constexpr(ROWS // 2):
+                    acc_S[i] = fence_operand(acc_S[i])
+                # acc_S[4i + 0/1] = (token 16 wl + lg, rows 8i + 2 lt + 0/1), [4i + 2/3] = token + 8
+                for i in cutlass.range_constexpr(ROWS // 8):
+                    tok = wl * 16 + lg
+                    r = i * 8 + 2 * lt
+                    sS[r, tok, wg] = acc_S[4 * i + 0]
+                    sS[r + 1, tok, wg] = acc_S[4 * i + 1]
+                    sS[r, tok + 8, wg] = acc_S[4 * i + 2]
+                    sS[r + 1, tok + 8, wg] = acc_S[4 * i + 3]
                 cute.arch.barrier()
 
-                # ---- online softmax over the chunk ----
+                # ---- online softmax: thread owns P words w = ssub + TPR*i (k = 4w .. 4w + 3) ----
                 row_end = tok_end
                 if cutlass.const_expr(self.causal):
                     row_end = cutlass.min(tok_end, seq_len - self.q_len + s_t + 1)
-                vals = cute.make_rmem_tensor(cute.make_layout((C // TPR,)), Float32)
+                WPT = self.words_per_thread
+                vals = cute.make_rmem_tensor(cute.make_layout((4 * WPT,)), Float32)
                 cmax = -Float32.inf
-                for i in cutlass.range_constexpr(C // TPR):
-                    n = i * TPR + ssub
-                    s = sS[srow, n, 0]
-                    for grp in cutlass.range_constexpr(1, KG):
-                        s = s + sS[srow, n, grp]
-                    s = s * scale_log2
-                    if chunk_tok0 + n >= row_end:
-                        s = -Float32.inf
-                    vals[i] = s
-                    cmax = cute.arch.fmax(cmax, s)
+                for i in cutlass.range_constexpr(WPT):
+                    w = ssub + TPR * i
+                    n0 = (w // 4) * 16 + (w % 4) * 2  # tokens n0, n0 + 1, n0 + 8, n0 + 9 (the pi order)
+                    for j in cutlass.range_constexpr(4):
+                        n = n0 + (j // 2) * 8 + j % 2
+                        s = (sS[srow, n, 0] + sS[srow, n, 1]) * scale_log2
+                        if chunk_tok0 + n >= row_end:
+                            s = -Float32.inf
+                        vals[4 * i + j] = s
+                        cmax = cute.arch.fmax(cmax, s)
                 cmax = self._row_allreduce(cmax, True)
                 new_max = cute.arch.fmax(row_max, cmax)
                 use_max = new_max
@@ -499,11 +423,14 @@ class MLADecodeSM90:
                     use_max = Float32(0.0)
                 alpha = cute.math.exp2(row_max - use_max, fastmath=True)
                 csum = Float32(0.0)
-                for i in cutlass.range_constexpr(C // TPR):
-                    n = i * TPR + ssub
-                    pv = cute.math.exp2(vals[i] - use_max, fastmath=True)
-                    csum = csum + pv
-                    sP[srow, n] = pv.to(Float16)
+                for i in cutlass.range_constexpr(WPT):
+                    w = ssub + TPR * i
+                    pv = [cute.math.exp2(vals[4 * i + j] - use_max, fastmath=True) for j in range(4)]
+                    csum = csum + (pv[0] + pv[1]) + (pv[2] + pv[3])
+                    hi, lo = quantize_p_hi_lo(pv[0] * P_SCALE, pv[1] * P_SCALE, pv[2] * P_SCALE, pv[3] * P_SCALE)
+                    sPw[w, srow, 0] = hi
+                    sPw[w, srow, 1] = lo
+                fence_proxy_async_smem()  # P is a wgmma operand
                 csum = self._row_allreduce(csum, False)
                 row_sum = row_sum * alpha + csum
                 row_max = new_max
@@ -511,17 +438,37 @@ class MLADecodeSM90:
                     sAlpha[srow] = alpha
                 cute.arch.barrier()
 
-                # ---- O = alpha * O + P.V ----
-                for r in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[0])):
-                    a = sAlpha[tOcO_mn[r, 0][0]]
-                    acc_O_mn[r, None] = acc_O_mn[r, None].load() * a
-                cute.copy(ldsm_p, tOsP[None, None, 0], tOrP_v[None, None, 0])
-                cute.copy(ldsm_v, tOsV[None, None, 0], tOrV_v[None, None, 0])
-                for k in cutlass.range_constexpr(cute.size(tOsP.shape[2])):
-                    if cutlass.const_expr(k + 1 < cute.size(tOsP.shape[2])):
-                        cute.copy(ldsm_p, tOsP[None, None, k + 1], tOrP_v[None, None, k + 1])
-                        cute.copy(ldsm_v, tOsV[None, None, k + 1], tOrV_v[None, None, k + 1])
-                    cute.gemm(tiled_mma_o, acc_O, tOrP[None, None, k], tOrV[None, None, k], acc_O)
+                # ---- O^T = alpha * O^T + V^T.P^T, 4 m64 tiles per warpgroup ----
+                # acc_O[t * NA + 4j + e] = (dim d0 + 2 lg, row 8j + 2 lt + e), [.. + 2 + e] = (dim + 1, same row)
+                for j in cutlass.range_constexpr(ROWS // 8):
+                    for e in cutlass.range_constexpr(2):
+                        al = sAlpha[8 * j + 2 * lt + e]
+                        for t in cutlass.range_constexpr(4):
+                            acc_O[t * NA + 4 * j + e] = acc_O[t * NA + 4 * j + e] * al
+                            acc_O[t * NA + 4 * j + 2 + e] = acc_O[t * NA + 4 * j + 2 + e] * al
+                # all A registers first (32 per thread), then one fence and 16 back-to-back wgmmas
+                a_regs = []
+                for t in cutlass.range_constexpr(4):
+                    tile = wg * 4 + t
+                    piece = ((tile % 2) * 4 + wl) ^ (lane % 8)
+                    v_addr = stage_addr + (tile // 2) * (C * 128) + v_lane_off + piece * 16
+                    for ks in cutlass.range_constexpr(C // 32):
+                        m = ldmatrix_x4(v_addr + ks * 32 * 128, True)
+                        a_regs.append((prmt(m[0], m[1], 0x6420), prmt(m[0], m[1], 0x7531),
+                                       prmt(m[2], m[3], 0x6420), prmt(m[2], m[3], 0x7531)))
+                wgmma_fence()
+                for t in cutlass.range_constexpr(4):
+                    for ks in cutlass.range_constexpr(C // 32):
+                        for plane in cutlass.range_constexpr(2):
+                            d = wgmma_rs_e4m3(a_regs[t * (C // 32) + ks],
+                                              p_addr + plane * (ROWS * 64) + ks * 2 * P_LBO, P_LBO, P_SBO,
+                                              [acc_O[t * NA + i] for i in range(NA)])
+                            for i in cutlass.range_constexpr(NA):
+                                acc_O[t * NA + i] = d[i]
+                wgmma_commit()
+                wgmma_wait(0)
+                for i in cutlass.range_constexpr(4 * NA):
+                    acc_O[i] = fence_operand(acc_O[i])
 
             cute.arch.cp_async_wait_group(0)
 
@@ -532,7 +479,7 @@ class MLADecodeSM90:
                 inv_l = Float32(0.0)
                 lse = -Float32.inf
                 if row_sum > Float32(0.0):
-                    inv_l = k_scale / row_sum
+                    inv_l = k_scale / (row_sum * P_SCALE)
                     lse = (row_max + cute.math.log2(row_sum, fastmath=True)) * LN2
                 sInvL[srow] = inv_l
                 if srow_g < R:
@@ -541,51 +488,59 @@ class MLADecodeSM90:
                     else:
                         mLse[srow_g, b] = lse
             cute.arch.barrier()
-            for r in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[0])):
-                orow = tOcO_mn[r, 0][0]
-                if row0 + orow < R:
-                    inv = sInvL[orow]
-                    if split:
-                        for cc in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[1])):
-                            mPOut[tOcO_mn[r, cc][1], row0 + orow, slot] = acc_O_mn[r, cc] * inv
-                    else:
-                        for cc in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[1])):
-                            mOut[tOcO_mn[r, cc][1], row0 + orow, b] = (acc_O_mn[r, cc] * inv).to(BF16)
-            cute.arch.barrier()  # sInvL / sQ8 staging reused by the next segment
+            # lane (g, t) of warp wl holds, per tile t and row 8j + 2 lt + e, the dims (d0 + 2 lg, d0 + 2 lg + 1):
+            # one 8-byte (fp32) or 4-byte (bf16) store each.
+            o2 = cute.make_rmem_tensor(cute.make_layout((2,)), Float32)
+            o2_bf16 = cute.make_rmem_tensor(cute.make_layout((2,)), BF16)
+            for j in cutlass.range_constexpr(ROWS // 8):
+                for e in cutlass.range_constexpr(2):
+                    orow = 8 * j + 2 * lt + e
+                    if row0 + orow < R:
+                        inv = sInvL[orow]
+                        for t in cutlass.range_constexpr(4):
+                            o2[0] = acc_O[t * NA + 4 * j + e] * inv
+                            o2[1] = acc_O[t * NA + 4 * j + 2 + e] * inv
+                            pair = (wg * 4 + t) * 32 + wl * 8 + lg  # dims [2 pair, 2 pair + 2)
+                            if split:
+                                cute.autovec_copy(o2, cute.local_tile(mPOut[None, row0 + orow, slot], (2,), (pair,)))
+                            else:
+                                o2_bf16.store(o2.load().to(BF16))
+                                cute.autovec_copy(o2_bf16, cute.local_tile(mOut[None, row0 + orow, b], (2,), (pair,)))
+            cute.arch.barrier()  # sInvL and sQ are reused by the next segment
 
             g = seg_end
             b = b + 1
 
     # ------------------------------------------------------------------------------------------------
     @cute.jit
-    def _load_chunk(self, mKV: cute.Tensor, mBT: cute.Tensor, atom_cp_async: cute.CopyAtom, sRing: cute.Tensor,
-                    zero16: cute.Tensor, b: Int32, tok0: Int32, tok_end: Int32, stage: Int32, tidx: Int32):
-        """cp.async the tokens [tok0, tok0 + C) of request b into ring stage `stage`; tokens >= tok_end are
-        zero-filled in shared memory and their block-table entries are never read."""
-        C = self.chunk
-        NT = self.num_threads
-        P = self.page_size
-        PIECES = KV_DIM // 16
-        for i in cutlass.range_constexpr((C * PIECES + NT - 1) // NT):
-            idx = tidx + i * NT
-            n = idx // PIECES
-            pc = idx % PIECES
-            if cutlass.const_expr((C * PIECES) % NT == 0):
-                self._load_piece(mKV, mBT, atom_cp_async, sRing, zero16, b, tok0 + n, tok_end, n, pc, stage)
-            else:
-                if idx < C * PIECES:
-                    self._load_piece(mKV, mBT, atom_cp_async, sRing, zero16, b, tok0 + n, tok_end, n, pc,
-                                     stage)
+    def _lookup_page(self, mBT: cute.Tensor, b: Int32, tok0: Int32, tok_end: Int32, tidx: Int32) -> Int32:
+        """Page of token tok0 + tidx / 4 of request b (the token this thread copies), 0 past tok_end: the block
+        table is never read past the request's last page."""
+        tok = tok0 + tidx // 4
+        page = Int32(0)
+        if tok < tok_end:
+            page = mBT[tok // self.page_size, b]
+        return page
 
     @cute.jit
-    def _load_piece(self, mKV: cute.Tensor, mBT: cute.Tensor, atom_cp_async: cute.CopyAtom, sRing: cute.Tensor,
-                    zero16: cute.Tensor, b: Int32, tok: Int32, tok_end: Int32, n: Int32, pc: Int32, stage: Int32):
+    def _load_chunk(self, mKV: cute.Tensor, atom_cp_async: cute.CopyAtom, sRing: cute.Tensor, zero16: cute.Tensor,
+                    page: Int32, tok0: Int32, tok_end: Int32, stage: Int32, tidx: Int32):
+        """cp.async the tokens [tok0, tok0 + C) of a request (this thread's token on `page`) into ring stage
+        `stage`; tokens >= tok_end are zero-filled in shared memory.
+
+        Thread t copies token t / 4, 16-byte pieces t % 4 + 4i (i < 9): addresses that differ by constants (no
+        per-piece address registers), and per instruction 64 contiguous bytes of each of a warp's 8 tokens."""
         P = self.page_size
+        PIECES = KV_DIM // 16
+        n = tidx // 4
+        tok = tok0 + n
         if tok < tok_end:
-            page = mBT[tok // P, b]
-            cute.copy(atom_cp_async, mKV[None, pc, tok % P, page], sRing[None, pc, n, stage])
+            for i in cutlass.range_constexpr(PIECES // 4):
+                pc = tidx % 4 + 4 * i
+                cute.copy(atom_cp_async, mKV[None, pc, tok % P, page], sRing[None, pc, n, stage])
         else:
-            cute.autovec_copy(zero16, sRing[None, pc, n, stage])
+            for i in cutlass.range_constexpr(PIECES // 4):
+                cute.autovec_copy(zero16, sRing[None, tidx % 4 + 4 * i, n, stage])
 
     @cute.jit
     def _row_allreduce(self, val: Float32, is_max: cutlass.Constexpr) -> Float32:
@@ -597,15 +552,6 @@ class MLADecodeSM90:
             else:
                 val = val + other
         return val
-
-    def _mn_view(self, acc: cute.Tensor) -> cute.Tensor:
-        """((2 vals, 2 rows), M, N) accumulator fragment of m16n8 MMAs as a (rows, cols) view."""
-        col_major = cute.make_layout(acc.layout.shape)
-        mn = cute.make_layout(
-            ((col_major.shape[0][1], col_major.shape[1]), (col_major.shape[0][0], col_major.shape[2])),
-            stride=((col_major.stride[0][1], col_major.stride[1]), (col_major.stride[0][0], col_major.stride[2])),
-        )
-        return cute.make_tensor(acc.iterator, cute.composition(acc.layout, mn))
 
 
 # ====================================================================================================
@@ -623,8 +569,8 @@ def _static_key(num_heads, q_len, page_size, tile_tokens, causal, rows_per_block
 
 
 def compile_decode_sm90(num_heads: int, q_len: int, page_size: int, tile_tokens: int = 64, causal: bool = True,
-                        rows_per_block: Optional[int] = None, chunk_tokens: int = 64, num_warps: int = 8,
-                        num_stages: int = 2, arch: str = "sm_90a"):
+                        rows_per_block: Optional[int] = None, chunk_tokens: int = 64, num_warps: int = NUM_WARPS,
+                        num_stages: int = 4, arch: str = "sm_90a"):
     """Compile (once per static key) and return the kernel's launcher function.
 
     Works without a GPU: all runtime values (pointers, batch, num_pages, strides, num_ctas, num_slots,

@@ -1,0 +1,236 @@
+"""Warp-level FP8 building blocks for the SM90 decode kernel, as inline PTX on raw 32-bit registers.
+
+CuTe's tiled-copy machinery has no 8-bit transposed shared-memory load for sm_90 (ldmatrix transposes 16-bit
+elements only), so the decode kernel addresses its FP8 tiles itself and uses these four primitives:
+
+- `ldmatrix_x4`: four 8x8 b16 matrices (each 8 rows x 16 bytes) from shared memory, optionally transposed. On
+  FP8 data without transpose, lane (g = lane / 4, t = lane % 4) receives bytes [4t, 4t + 4) of row g: exactly an
+  `mma.m16n8k32` e4m3 A or B register. With transpose it receives the byte pairs (row 2t, 2t + 1) x (bytes 2g,
+  2g + 1); `prmt` regroups them into B registers of a token-major V tile (see decode_sm90.py for the order).
+- `mma_m16n8k32_e4m3`: D = A.B + C with fp32 accumulation.
+- `quantize_p_hi_lo`: four fp32 probabilities -> two e4m3x4 words, hi = e4m3(p) and lo = e4m3(p - hi), so that
+  hi + lo carries ~7 mantissa bits of p instead of 3.
+
+Shared-memory reads are marked side-effecting so LLVM does not move them across the CTA barriers that guard the
+buffers they read; the MMA and conversions are pure.
+"""
+
+from __future__ import annotations
+
+from cutlass import Float32, Int32
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+
+def _struct(n, ty):
+    return llvm.StructType.get_literal([ty] * n)
+
+
+@dsl_user_op
+def ldmatrix_x4(smem_addr, transpose: bool = False, *, loc=None, ip=None):
+    """ldmatrix.m8n8.x4.b16: lanes 8j..8j+7 give the row addresses (shared window, 32-bit) of matrix j."""
+    trans = ".trans" if transpose else ""
+    res = llvm.inline_asm(
+        _struct(4, T.i32()),
+        [Int32(smem_addr).ir_value(loc=loc, ip=ip)],
+        f"ldmatrix.sync.aligned.m8n8.x4{trans}.shared.b16 {{$0, $1, $2, $3}}, [$4];",
+        "=r,=r,=r,=r,r",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc,
+        ip=ip,
+    )
+    return tuple(Int32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip)) for i in range(4))
+
+
+@dsl_user_op
+def prmt(a, b, selector: int, *, loc=None, ip=None):
+    """Byte i of the result is byte (selector >> 4i) & 7 of the 8-byte value {b, a}."""
+    return Int32(llvm.inline_asm(
+        T.i32(),
+        [Int32(a).ir_value(loc=loc, ip=ip), Int32(b).ir_value(loc=loc, ip=ip)],
+        f"prmt.b32 $0, $1, $2, {selector:#06x};",
+        "=r,r,r",
+        has_side_effects=False,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc,
+        ip=ip,
+    ))
+
+
+@dsl_user_op
+def mma_m16n8k32_e4m3(a, b, c, *, loc=None, ip=None):
+    """mma.sync m16n8k32 e4m3 x e4m3 -> f32. a: 4 Int32, b: 2 Int32, c: 4 Float32; returns 4 Float32."""
+    operands = [Int32(x).ir_value(loc=loc, ip=ip) for x in a]
+    operands += [Int32(x).ir_value(loc=loc, ip=ip) for x in b]
+    operands += [Float32(x).ir_value(loc=loc, ip=ip) for x in c]
+    res = llvm.inline_asm(
+        _struct(4, T.f32()),
+        operands,
+        "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 "
+        "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};",
+        "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f",
+        has_side_effects=False,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc,
+        ip=ip,
+    )
+    return tuple(Float32(llvm.extractvalue(T.f32(), res, [i], loc=loc, ip=ip)) for i in range(4))
+
+
+@dsl_user_op
+def quantize_p_hi_lo(p0, p1, p2, p3, *, loc=None, ip=None):
+    """(hi, lo) e4m3x4 words, byte i from p_i: hi = e4m3(p), lo = e4m3(p - float(hi)); saturating."""
+    res = llvm.inline_asm(
+        _struct(2, T.i32()),
+        [Float32(x).ir_value(loc=loc, ip=ip) for x in (p0, p1, p2, p3)],
+        "{\n"
+        ".reg .b16 h0, h1, l0, l1, f0, f1, f2, f3;\n"
+        ".reg .b32 x01, x23;\n"
+        ".reg .f32 r0, r1, r2, r3;\n"
+        "cvt.rn.satfinite.e4m3x2.f32 h0, $3, $2;\n"
+        "cvt.rn.satfinite.e4m3x2.f32 h1, $5, $4;\n"
+        "mov.b32 $0, {h0, h1};\n"
+        "cvt.rn.f16x2.e4m3x2 x01, h0;\n"
+        "cvt.rn.f16x2.e4m3x2 x23, h1;\n"
+        "mov.b32 {f0, f1}, x01;\n"
+        "mov.b32 {f2, f3}, x23;\n"
+        "cvt.f32.f16 r0, f0;\n"
+        "cvt.f32.f16 r1, f1;\n"
+        "cvt.f32.f16 r2, f2;\n"
+        "cvt.f32.f16 r3, f3;\n"
+        "sub.f32 r0, $2, r0;\n"
+        "sub.f32 r1, $3, r1;\n"
+        "sub.f32 r2, $4, r2;\n"
+        "sub.f32 r3, $5, r3;\n"
+        "cvt.rn.satfinite.e4m3x2.f32 l0, r1, r0;\n"
+        "cvt.rn.satfinite.e4m3x2.f32 l1, r3, r2;\n"
+        "mov.b32 $1, {l0, l1};\n"
+        "}",
+        "=r,=r,f,f,f,f",
+        has_side_effects=False,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc,
+        ip=ip,
+    )
+    return Int32(llvm.extractvalue(T.i32(), res, [0], loc=loc, ip=ip)), \
+        Int32(llvm.extractvalue(T.i32(), res, [1], loc=loc, ip=ip))
+
+
+# ------------------------------------------------------------------------------------------------ wgmma
+# Shared-memory matrix descriptor (sm_90): bits 0-13 start address >> 4, 16-29 leading byte offset >> 4,
+# 32-45 stride byte offset >> 4, 62-63 swizzle (1 = 128 B). The K-major 128B-swizzled canonical layout keeps
+# rows of 128 bytes in 8-row (1024 B) atoms; the leading offset is unused there (encoded 1), the stride offset
+# is the atom size. Moving along K inside a row is done by adding bytes / 16 to the start address.
+DESC_LO_SWIZZLE128 = 1 << 16
+DESC_HI_SWIZZLE128 = (1024 >> 4) | (1 << 30)
+
+
+@dsl_user_op
+def fence_proxy_async_smem(*, loc=None, ip=None):
+    """Make this thread's generic-proxy shared-memory writes (st.shared, cp.async) visible to wgmma."""
+    llvm.inline_asm(None, [], "fence.proxy.async.shared::cta;", "", has_side_effects=True, is_align_stack=False,
+                    asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def wgmma_fence(*, loc=None, ip=None):
+    llvm.inline_asm(None, [], "wgmma.fence.sync.aligned;", "", has_side_effects=True, is_align_stack=False,
+                    asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def wgmma_commit(*, loc=None, ip=None):
+    llvm.inline_asm(None, [], "wgmma.commit_group.sync.aligned;", "", has_side_effects=True,
+                    is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def wgmma_wait(pending: int = 0, *, loc=None, ip=None):
+    llvm.inline_asm(None, [], f"wgmma.wait_group.sync.aligned {pending};", "", has_side_effects=True,
+                    is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def fence_operand(x, *, loc=None, ip=None):
+    """Pin a wgmma accumulator after wgmma_wait: an opaque side-effecting move, so no use of it is hoisted
+    above the wait and no write to it sinks below the next issue."""
+    return Float32(llvm.inline_asm(T.f32(), [Float32(x).ir_value(loc=loc, ip=ip)], "mov.b32 $0, $1;", "=f,0",
+                                   has_side_effects=True, is_align_stack=False,
+                                   asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def wgmma_ss_e4m3(a_addr, b_addr, acc, accumulate, *, loc=None, ip=None):
+    """D = A.B^T (+ D if accumulate != 0): wgmma m64nNk32 e4m3 -> f32, N = 2 * len(acc).
+
+    a_addr / b_addr: shared addresses of the K-major 128B-swizzled operands (A: 64 rows, B: N rows), already
+    advanced to the k32 step. acc: this thread's N / 2 accumulators (PTX fragment order)."""
+    n_acc = len(acc)
+    n = n_acc * 2
+    outs = ", ".join(f"${i}" for i in range(n_acc))
+    ia, ib, iacc = n_acc, n_acc + 1, n_acc + 2
+    operands = [Int32(a_addr).ir_value(loc=loc, ip=ip), Int32(b_addr).ir_value(loc=loc, ip=ip),
+                Int32(accumulate).ir_value(loc=loc, ip=ip)]
+    operands += [Float32(x).ir_value(loc=loc, ip=ip) for x in acc]
+    asm = (
+        "{\n"
+        ".reg .b32 alo, blo, dhi;\n"
+        ".reg .b64 da, db;\n"
+        ".reg .pred p;\n"
+        f"mov.b32 dhi, {DESC_HI_SWIZZLE128};\n"
+        f"shr.b32 alo, ${ia}, 4;\n"
+        "and.b32 alo, alo, 0x3FFF;\n"
+        f"or.b32 alo, alo, {DESC_LO_SWIZZLE128};\n"
+        "mov.b64 da, {alo, dhi};\n"
+        f"shr.b32 blo, ${ib}, 4;\n"
+        "and.b32 blo, blo, 0x3FFF;\n"
+        f"or.b32 blo, blo, {DESC_LO_SWIZZLE128};\n"
+        "mov.b64 db, {blo, dhi};\n"
+        f"setp.ne.b32 p, ${iacc}, 0;\n"
+        f"wgmma.mma_async.sync.aligned.m64n{n}k32.f32.e4m3.e4m3 {{{outs}}}, da, db, p, 1, 1;\n"
+        "}"
+    )
+    constraints = ",".join(["=f"] * n_acc + ["r", "r", "r"] + [str(i) for i in range(n_acc)])
+    res = llvm.inline_asm(_struct(n_acc, T.f32()), operands, asm, constraints, has_side_effects=True,
+                          is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+    return [Float32(llvm.extractvalue(T.f32(), res, [i], loc=loc, ip=ip)) for i in range(n_acc)]
+
+
+@dsl_user_op
+def wgmma_rs_e4m3(a, b_addr, b_lbo: int, b_sbo: int, acc, *, loc=None, ip=None):
+    """D += A.B^T, wgmma m64nNk32 e4m3 -> f32 with A from registers (4 Int32, the mma.m16n8k32 A fragment of
+    this warp's 16 rows) and B from shared memory in the K-major no-swizzle layout: 8-row x 16-byte core
+    matrices of 128 contiguous bytes, b_lbo bytes apart along K and b_sbo bytes apart along N."""
+    n_acc = len(acc)
+    n = n_acc * 2
+    outs = ", ".join(f"${i}" for i in range(n_acc))
+    ia = n_acc
+    ib = n_acc + 4
+    operands = [Int32(x).ir_value(loc=loc, ip=ip) for x in a] + [Int32(b_addr).ir_value(loc=loc, ip=ip)]
+    operands += [Float32(x).ir_value(loc=loc, ip=ip) for x in acc]
+    desc_lo = (b_lbo >> 4) << 16
+    desc_hi = b_sbo >> 4
+    asm = (
+        "{\n"
+        ".reg .b32 blo, dhi;\n"
+        ".reg .b64 db;\n"
+        ".reg .pred p;\n"
+        f"mov.b32 dhi, {desc_hi};\n"
+        f"shr.b32 blo, ${ib}, 4;\n"
+        "and.b32 blo, blo, 0x3FFF;\n"
+        f"or.b32 blo, blo, {desc_lo};\n"
+        "mov.b64 db, {blo, dhi};\n"
+        "setp.eq.b32 p, blo, blo;\n"  # scale-d = true: accumulate
+        f"wgmma.mma_async.sync.aligned.m64n{n}k32.f32.e4m3.e4m3 {{{outs}}}, "
+        f"{{${ia}, ${ia + 1}, ${ia + 2}, ${ia + 3}}}, db, p, 1, 1;\n"
+        "}"
+    )
+    constraints = ",".join(["=f"] * n_acc + ["r"] * 5 + [str(i) for i in range(n_acc)])
+    res = llvm.inline_asm(_struct(n_acc, T.f32()), operands, asm, constraints, has_side_effects=True,
+                          is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+    return [Float32(llvm.extractvalue(T.f32(), res, [i], loc=loc, ip=ip)) for i in range(n_acc)]
