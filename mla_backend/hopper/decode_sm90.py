@@ -10,41 +10,45 @@ and natural-log lse (num_splits[b] == 1) or an fp32 partial into workspace slot
 split_offset[b] + c - request_first_cta[b] (the combine kernel merges those). The row block is the fastest grid
 index so that the row blocks of one plan CTA run side by side and read each KV tile from L2 after the first.
 
-Data path: FP8 end to end, warp-level `mma.m16n8k32.e4m3`
---------------------------------------------------------
-- KV is gathered through the block table with 16-byte cp.async into a ring of NUM_STAGES chunks (CHUNK tokens
-  x 576 B, rows padded to 592 B so that the 8 row addresses of every ldmatrix fall in distinct banks). Tokens
-  past the segment end are zero-filled in shared memory (never loaded), so the block table is never read past
-  ceil(L_b / page_size) entries.
-- The FP8 chunk is used as it landed, for both products: it is read from DRAM once per CTA.
-  * S = Q.K^T: K is K-major in the cache, so plain ldmatrix gives the e4m3 B registers. Q (ROWS x 576) is
-    loaded into registers once per segment. Warps split as 4 token groups of 16 x 2 halves of K = 576; the two
-    fp32 partials meet in shared memory.
-  * O += P.V: V (the first 512 bytes of each token) is token-major, the MMA wants k = token contiguous per
-    register. ldmatrix.trans (b16) on 8 tokens x 16 bytes gives lane (g, t) the byte pairs of tokens (2t, 2t+1)
-    at dims (2g, 2g+1); two `prmt` per 4 matrices regroup them into the B registers of the even and the odd
-    dims. The k order this produces is token pi(k) = 16*(k/16) + 8*((k%4)/2) + 2*((k%16)/4) + k%2; the softmax
-    writes P in that order, so no data moves twice. Lane (g, t) then owns dims d0 + 4t .. d0 + 4t + 3.
-  An earlier version converted each chunk to f16 in shared memory and ran f16 MMAs; that tripled the
-  shared-memory traffic per chunk and capped the kernel at ~1.8 TB/s of KV (docs/performance.md).
+Data path: FP8 end to end on the tensor cores (wgmma)
+----------------------------------------------------
+- KV is gathered through the block table with 16-byte cp.async into a ring of NUM_STAGES chunks of 64 tokens,
+  in the K-major 128B-swizzled layout wgmma reads: 128-byte row blocks (576 bytes = 4.5 of them), byte (token
+  r, 16-byte piece c of block kb) at kb * 8 KB + r * 128 + ((c ^ (r % 8)) * 16). Thread t copies token t / 4,
+  pieces t % 4 + 4i; its block-table entry is read one chunk ahead, because a dependent global read right
+  before the copies stalled every warp once per chunk (-7% step time). Tokens past the segment end are
+  zero-filled in shared memory (never loaded), so the block table is never read past ceil(L_b / page_size).
+- The FP8 chunk is used as it landed, for both products: the latent is read from DRAM once per CTA.
+  * S^T = K.Q^T with wgmma m64 x ROWS x k32: tokens fill the 64 M rows and the query rows are N (16 or 32),
+    so 12 or 16 heads do not pad M = 64 four- to five-fold. Warpgroup wg runs the 9 k32 steps of its half of
+    the 576 bytes; the two fp32 partials meet in shared memory.
+  * O^T += V^T.P^T with wgmma m64 x ROWS x k32, A from registers: FP8 wgmma wants K-major shared-memory
+    operands and V is token-major, so instead of a transposed copy, ldmatrix.trans (b16) on 32 tokens x 16
+    bytes gives lane (g, t) the byte pairs of tokens (2t, 2t+1) at dims (2g, 2g+1), and `prmt` regroups them
+    into A registers: M row g = dim 2g, row g + 8 = dim 2g + 1, k = token pi(k) = 16*(k/16) + 8*((k%4)/2) +
+    2*((k%16)/4) + k%2 within each 32 tokens. The softmax writes P^T in that token order (K-major core
+    matrices, the wgmma B operand), so no data moves twice. Warpgroup wg owns dims [256 wg, 256 wg + 256).
+  Earlier versions converted each chunk to f16 in shared memory (mma.sync f16: ~1.8 TB/s of KV), then ran
+  FP8 mma.sync m16n8k32 on the raw chunk (1.69 TB/s: issue-bound, two warps per scheduler waiting on
+  dependent MMAs); the two wgmma steps took the kernel to ~2.9 TB/s (docs/performance.md).
 - Online softmax in base 2 with the scale folded (scale_log2 = softmax_scale * q_scale * k_scale * log2 e),
   fp32 throughout: NUM_THREADS / ROWS threads per row, shuffle reductions, the per-row rescale in shared memory.
-- P goes to the FP8 MMA as two e4m3 planes, hi = e4m3(p * 256) and lo = e4m3(p * 256 - hi), with one MMA each.
+- P goes to the FP8 MMA as two e4m3 planes, hi = e4m3(p * 256) and lo = e4m3(p * 256 - hi), one wgmma each.
   One e4m3 plane alone (3 mantissa bits, up to 6.25% relative error per p) gives ~2% relative error on the
   output when attention is spread over many tokens, because the per-token errors do not average out against
   an output that is itself an average. hi + lo represents p to ~2^-8 relative (p * 256 keeps p >= 2^-14 out of
   e4m3's subnormals), which with fp32 accumulation and the bf16 output keeps the relative L2 error against the
-  fp32 reference below 5e-3 (tests/hopper). The second plane costs one extra MMA per P.V step, which fits in
-  the tensor-pipe budget (the kernel is bound by memory and shared memory, not MMA issue).
-- O (ROWS x 512, fp32) lives in registers: warp w owns dims [64w, 64w + 64), ROWS * 512 / 256 per thread.
+  fp32 reference below 5e-3 (tests/hopper; the bench measures 4.5e-4 to 1.4e-3 on random data).
+- O^T (512 x ROWS, fp32) lives in registers: 4 m64 tiles x ROWS / 2 accumulators per thread.
 
 Rows per block
 --------------
-ROWS is 16 when R = q_len * H <= 16 (one MMA M tile) and 32 otherwise; R > ROWS uses several row blocks.
-96 rows (H 12, q_len 8) would need 192 KB of fp32 O: more than the register file, so row blocks stay.
+ROWS is 16 when R = q_len * H <= 16 and 32 otherwise; R > ROWS uses several row blocks, each of which reads
+the KV again (from L2 when its neighbours in the grid run at the same time). 96 rows (H 12, q_len 8) in one
+block would need 192 KB of fp32 O^T, more than the register file.
 
-Shared memory per CTA (CHUNK 64, 4 stages): 148 KiB ring + ROWS x 592 B Q + 2 x ROWS x 72 x 4 B S partials +
-2 x ROWS x 80 B P: 170 KB (ROWS 16) / 192 KB (ROWS 32).
+Shared memory per CTA (4 stages): 160 KB ring + 5 x ROWS x 128 B Q + 2 x ROWS x 72 x 4 B S partials +
+2 x ROWS x 64 B P (~180 KB for ROWS 16, ~200 KB for ROWS 32).
 """
 
 from __future__ import annotations
@@ -58,8 +62,8 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync
 
-from .warp_fp8 import (fence_operand, fence_proxy_async_smem, ldmatrix_x4, mma_m16n8k32_e4m3, prmt,
-                       quantize_p_hi_lo, wgmma_commit, wgmma_fence, wgmma_rs_e4m3, wgmma_ss_e4m3, wgmma_wait)
+from .warp_fp8 import (fence_operand, fence_proxy_async_smem, ldmatrix_x4, prmt, quantize_p_hi_lo,
+                       wgmma_commit, wgmma_fence, wgmma_rs_e4m3, wgmma_ss_e4m3, wgmma_wait)
 
 KV_DIM = 576
 V_DIM = 512
@@ -77,8 +81,7 @@ P_SBO = 4 * 128
 P_SCALE = 256.0  # P is stored as e4m3(p * 256): p in [2^-14, 1] stays normal, p * 256 <= 448
 NUM_WARPS = 8
 NUM_THREADS = 32 * NUM_WARPS
-S_TOKEN_GROUPS = 4  # S = Q.K^T: 4 warps x 16 tokens ...
-S_K_GROUPS = 2  # ... x 2 halves of the 576 bytes (9 k32 steps each)
+S_K_GROUPS = 2  # S^T: warpgroup wg sums the k32 steps [9 wg, 9 wg + 9) of the 576 bytes
 S_STRIDE = 64 + 8  # padded fp32 row of the S partials
 
 FP8 = cutlass.Float8E4M3FN

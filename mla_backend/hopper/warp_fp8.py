@@ -1,18 +1,20 @@
-"""Warp-level FP8 building blocks for the SM90 decode kernel, as inline PTX on raw 32-bit registers.
+"""FP8 tensor-core building blocks for the SM90 decode kernel, as inline PTX on raw 32-bit registers.
 
 CuTe's tiled-copy machinery has no 8-bit transposed shared-memory load for sm_90 (ldmatrix transposes 16-bit
-elements only), so the decode kernel addresses its FP8 tiles itself and uses these four primitives:
+elements only), and the P.V wgmma takes its A operand from registers in an order we choose, so the decode
+kernel addresses its FP8 tiles itself and uses these primitives:
 
-- `ldmatrix_x4`: four 8x8 b16 matrices (each 8 rows x 16 bytes) from shared memory, optionally transposed. On
-  FP8 data without transpose, lane (g = lane / 4, t = lane % 4) receives bytes [4t, 4t + 4) of row g: exactly an
-  `mma.m16n8k32` e4m3 A or B register. With transpose it receives the byte pairs (row 2t, 2t + 1) x (bytes 2g,
-  2g + 1); `prmt` regroups them into B registers of a token-major V tile (see decode_sm90.py for the order).
-- `mma_m16n8k32_e4m3`: D = A.B + C with fp32 accumulation.
+- `ldmatrix_x4`: four 8x8 b16 matrices (each 8 rows x 16 bytes) from shared memory, optionally transposed. With
+  transpose, lane (g = lane / 4, t = lane % 4) receives the byte pairs (row 2t, 2t + 1) x (bytes 2g, 2g + 1);
+  `prmt` regroups them into e4m3 A registers of a token-major V tile (see decode_sm90.py for the order).
 - `quantize_p_hi_lo`: four fp32 probabilities -> two e4m3x4 words, hi = e4m3(p) and lo = e4m3(p - hi), so that
   hi + lo carries ~7 mantissa bits of p instead of 3.
+- `wgmma_ss_e4m3` / `wgmma_rs_e4m3`: warpgroup MMA m64nNk32 e4m3 -> f32 with both operands in shared memory
+  (128B-swizzled K-major) or A in registers (B in the no-swizzle K-major core-matrix layout), plus the fences,
+  commit and wait around them.
 
-Shared-memory reads are marked side-effecting so LLVM does not move them across the CTA barriers that guard the
-buffers they read; the MMA and conversions are pure.
+Shared-memory reads and the wgmma issue are marked side-effecting so LLVM keeps them in order with the barriers
+and waits that guard them; accumulators are pinned after `wgmma_wait` with `fence_operand`.
 """
 
 from __future__ import annotations
@@ -58,27 +60,6 @@ def prmt(a, b, selector: int, *, loc=None, ip=None):
         loc=loc,
         ip=ip,
     ))
-
-
-@dsl_user_op
-def mma_m16n8k32_e4m3(a, b, c, *, loc=None, ip=None):
-    """mma.sync m16n8k32 e4m3 x e4m3 -> f32. a: 4 Int32, b: 2 Int32, c: 4 Float32; returns 4 Float32."""
-    operands = [Int32(x).ir_value(loc=loc, ip=ip) for x in a]
-    operands += [Int32(x).ir_value(loc=loc, ip=ip) for x in b]
-    operands += [Float32(x).ir_value(loc=loc, ip=ip) for x in c]
-    res = llvm.inline_asm(
-        _struct(4, T.f32()),
-        operands,
-        "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 "
-        "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};",
-        "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f",
-        has_side_effects=False,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-        loc=loc,
-        ip=ip,
-    )
-    return tuple(Float32(llvm.extractvalue(T.f32(), res, [i], loc=loc, ip=ip)) for i in range(4))
 
 
 @dsl_user_op

@@ -20,8 +20,8 @@ M = 1 << 20
 
 
 def check_against_reference(out, lse, ref_out, ref_lse):
-    """FP8 inputs are exact in the kernel's f16 operands, so the error comes from P in f16, fp32 accumulation
-    order and the bf16 output: relative L2 error well under 1e-2, lse within 1e-3."""
+    """FP8 inputs enter the FP8 MMAs exactly, so the error comes from P (two e4m3 planes, ~2^-8 relative), fp32
+    accumulation order and the bf16 output: relative L2 error under 5e-3, lse within 2e-3."""
     assert not torch.isnan(out).any(), "unwritten or NaN output"
     assert not torch.isnan(lse).any(), "unwritten or NaN lse"
     assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse)), "rows without KV must be exactly those with lse -inf"
