@@ -28,44 +28,39 @@ def _struct(n, ty):
     return llvm.StructType.get_literal([ty] * n)
 
 
+def _asm(result_type, operands, text, constraints, side_effects, loc, ip):
+    return llvm.inline_asm(result_type, operands, text, constraints, has_side_effects=side_effects,
+                           is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
+
 @dsl_user_op
 def ldmatrix_x4(smem_addr, transpose: bool = False, *, loc=None, ip=None):
     """ldmatrix.m8n8.x4.b16: lanes 8j..8j+7 give the row addresses (shared window, 32-bit) of matrix j."""
     trans = ".trans" if transpose else ""
-    res = llvm.inline_asm(
+    res = _asm(
         _struct(4, T.i32()),
         [Int32(smem_addr).ir_value(loc=loc, ip=ip)],
         f"ldmatrix.sync.aligned.m8n8.x4{trans}.shared.b16 {{$0, $1, $2, $3}}, [$4];",
         "=r,=r,=r,=r,r",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-        loc=loc,
-        ip=ip,
-    )
+        True, loc, ip)
     return tuple(Int32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip)) for i in range(4))
 
 
 @dsl_user_op
 def prmt(a, b, selector: int, *, loc=None, ip=None):
     """Byte i of the result is byte (selector >> 4i) & 7 of the 8-byte value {b, a}."""
-    return Int32(llvm.inline_asm(
+    return Int32(_asm(
         T.i32(),
         [Int32(a).ir_value(loc=loc, ip=ip), Int32(b).ir_value(loc=loc, ip=ip)],
         f"prmt.b32 $0, $1, $2, {selector:#06x};",
         "=r,r,r",
-        has_side_effects=False,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-        loc=loc,
-        ip=ip,
-    ))
+        False, loc, ip))
 
 
 @dsl_user_op
 def quantize_p_hi_lo(p0, p1, p2, p3, *, loc=None, ip=None):
     """(hi, lo) e4m3x4 words, byte i from p_i: hi = e4m3(p), lo = e4m3(p - float(hi)); saturating."""
-    res = llvm.inline_asm(
+    res = _asm(
         _struct(2, T.i32()),
         [Float32(x).ir_value(loc=loc, ip=ip) for x in (p0, p1, p2, p3)],
         "{\n"
@@ -92,12 +87,7 @@ def quantize_p_hi_lo(p0, p1, p2, p3, *, loc=None, ip=None):
         "mov.b32 $1, {l0, l1};\n"
         "}",
         "=r,=r,f,f,f,f",
-        has_side_effects=False,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-        loc=loc,
-        ip=ip,
-    )
+        False, loc, ip)
     return Int32(llvm.extractvalue(T.i32(), res, [0], loc=loc, ip=ip)), \
         Int32(llvm.extractvalue(T.i32(), res, [1], loc=loc, ip=ip))
 
@@ -114,35 +104,29 @@ DESC_HI_SWIZZLE128 = (1024 >> 4) | (1 << 30)
 @dsl_user_op
 def fence_proxy_async_smem(*, loc=None, ip=None):
     """Make this thread's generic-proxy shared-memory writes (st.shared, cp.async) visible to wgmma."""
-    llvm.inline_asm(None, [], "fence.proxy.async.shared::cta;", "", has_side_effects=True, is_align_stack=False,
-                    asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+    _asm(None, [], "fence.proxy.async.shared::cta;", "", True, loc, ip)
 
 
 @dsl_user_op
 def wgmma_fence(*, loc=None, ip=None):
-    llvm.inline_asm(None, [], "wgmma.fence.sync.aligned;", "", has_side_effects=True, is_align_stack=False,
-                    asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+    _asm(None, [], "wgmma.fence.sync.aligned;", "", True, loc, ip)
 
 
 @dsl_user_op
 def wgmma_commit(*, loc=None, ip=None):
-    llvm.inline_asm(None, [], "wgmma.commit_group.sync.aligned;", "", has_side_effects=True,
-                    is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+    _asm(None, [], "wgmma.commit_group.sync.aligned;", "", True, loc, ip)
 
 
 @dsl_user_op
 def wgmma_wait(pending: int = 0, *, loc=None, ip=None):
-    llvm.inline_asm(None, [], f"wgmma.wait_group.sync.aligned {pending};", "", has_side_effects=True,
-                    is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+    _asm(None, [], f"wgmma.wait_group.sync.aligned {pending};", "", True, loc, ip)
 
 
 @dsl_user_op
 def fence_operand(x, *, loc=None, ip=None):
     """Pin a wgmma accumulator after wgmma_wait: an opaque side-effecting move, so no use of it is hoisted
     above the wait and no write to it sinks below the next issue."""
-    return Float32(llvm.inline_asm(T.f32(), [Float32(x).ir_value(loc=loc, ip=ip)], "mov.b32 $0, $1;", "=f,0",
-                                   has_side_effects=True, is_align_stack=False,
-                                   asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+    return Float32(_asm(T.f32(), [Float32(x).ir_value(loc=loc, ip=ip)], "mov.b32 $0, $1;", "=f,0", True, loc, ip))
 
 
 @dsl_user_op
@@ -177,8 +161,7 @@ def wgmma_ss_e4m3(a_addr, b_addr, acc, accumulate, *, loc=None, ip=None):
         "}"
     )
     constraints = ",".join(["=f"] * n_acc + ["r", "r", "r"] + [str(i) for i in range(n_acc)])
-    res = llvm.inline_asm(_struct(n_acc, T.f32()), operands, asm, constraints, has_side_effects=True,
-                          is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+    res = _asm(_struct(n_acc, T.f32()), operands, asm, constraints, True, loc, ip)
     return [Float32(llvm.extractvalue(T.f32(), res, [i], loc=loc, ip=ip)) for i in range(n_acc)]
 
 
@@ -212,6 +195,5 @@ def wgmma_rs_e4m3(a, b_addr, b_lbo: int, b_sbo: int, acc, *, loc=None, ip=None):
         "}"
     )
     constraints = ",".join(["=f"] * n_acc + ["r"] * 5 + [str(i) for i in range(n_acc)])
-    res = llvm.inline_asm(_struct(n_acc, T.f32()), operands, asm, constraints, has_side_effects=True,
-                          is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+    res = _asm(_struct(n_acc, T.f32()), operands, asm, constraints, True, loc, ip)
     return [Float32(llvm.extractvalue(T.f32(), res, [i], loc=loc, ip=ip)) for i in range(n_acc)]
