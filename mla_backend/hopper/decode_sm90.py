@@ -79,8 +79,8 @@ KV_BLOCKS = 5
 P_LBO = 128
 P_SBO = 4 * 128
 P_SCALE = 256.0  # P is stored as e4m3(p * 256): p in [2^-14, 1] stays normal, p * 256 <= 448
-NUM_WARPS = 8
-NUM_THREADS = 32 * NUM_WARPS
+CHUNK = 64  # tokens per ring stage: the wgmma M of S^T
+NUM_THREADS = 256  # two warpgroups
 S_K_GROUPS = 2  # S^T: warpgroup wg sums the k32 steps [9 wg, 9 wg + 9) of the 576 bytes
 S_STRIDE = 64 + 8  # padded fp32 row of the S partials
 
@@ -103,18 +103,12 @@ class MLADecodeSM90:
         tile_tokens: int = 64,
         causal: bool = True,
         rows_per_block: Optional[int] = None,
-        chunk_tokens: int = 64,
-        num_warps: int = NUM_WARPS,
         num_stages: int = 4,
     ):
         if page_size <= 0 or page_size & (page_size - 1):
             raise ValueError(f"page_size must be a power of two, got {page_size}")
         if tile_tokens <= 0 or (tile_tokens % page_size and page_size % tile_tokens):
             raise ValueError(f"tile_tokens ({tile_tokens}) and page_size ({page_size}) must divide one another")
-        if chunk_tokens != 64:
-            raise ValueError(f"chunk_tokens must be 64 (4 token groups x 16), got {chunk_tokens}")
-        if num_warps != NUM_WARPS:
-            raise ValueError(f"num_warps must be {NUM_WARPS}, got {num_warps}")
         if num_stages < 2:
             raise ValueError(f"num_stages must be at least 2, got {num_stages}")
         self.num_heads = num_heads
@@ -127,11 +121,9 @@ class MLADecodeSM90:
         if self.rows not in (16, 32):
             raise ValueError(f"rows_per_block must be 16 or 32, got {self.rows}")
         self.num_row_blocks = (self.num_rows + self.rows - 1) // self.rows
-        self.chunk = chunk_tokens
-        self.num_warps = num_warps
+        self.chunk = CHUNK
         self.num_threads = NUM_THREADS
         self.num_stages = num_stages
-        self.m_blocks = self.rows // 16
         assert 4 * self.chunk == NUM_THREADS  # _load_chunk: 4 threads per token
         self.tpr = NUM_THREADS // self.rows  # softmax threads per row: 16 or 8
         self.words_per_thread = (self.chunk // 4) // self.tpr  # P words (4 tokens) per softmax thread
@@ -255,7 +247,6 @@ class MLADecodeSM90:
         NS = self.num_stages
         NT = self.num_threads
         TPR = self.tpr
-        MB = self.m_blocks
         PIECES = KV_DIM // 16  # 16-byte pieces per token row
         KSTEPS = KV_DIM // 32 // S_K_GROUPS  # k32 steps per K half: 9
 
@@ -564,24 +555,21 @@ class MLADecodeSM90:
 _COMPILED = {}
 
 
-def _static_key(num_heads, q_len, page_size, tile_tokens, causal, rows_per_block, chunk_tokens, num_warps,
-                num_stages, arch):
+def _static_key(num_heads, q_len, page_size, tile_tokens, causal, rows_per_block, num_stages, arch):
     rows = rows_per_block or default_rows_per_block(num_heads, q_len)
     return (int(num_heads), int(q_len), int(page_size), int(tile_tokens), bool(causal), int(rows),
-            int(chunk_tokens), int(num_warps), int(num_stages), arch)
+            int(num_stages), arch)
 
 
 def compile_decode_sm90(num_heads: int, q_len: int, page_size: int, tile_tokens: int = 64, causal: bool = True,
-                        rows_per_block: Optional[int] = None, chunk_tokens: int = 64, num_warps: int = NUM_WARPS,
-                        num_stages: int = 4, arch: str = "sm_90a"):
+                        rows_per_block: Optional[int] = None, num_stages: int = 4, arch: str = "sm_90a"):
     """Compile (once per static key) and return the kernel's launcher function.
 
     Works without a GPU: all runtime values (pointers, batch, num_pages, strides, num_ctas, num_slots,
     softmax_scale, stream) are runtime arguments of the compiled function, so one compile serves every batch
     size / cache size / plan size. `arch` is passed to the compiler (`--gpu-arch`).
     """
-    key = _static_key(num_heads, q_len, page_size, tile_tokens, causal, rows_per_block, chunk_tokens, num_warps,
-                      num_stages, arch)
+    key = _static_key(num_heads, q_len, page_size, tile_tokens, causal, rows_per_block, num_stages, arch)
     fn = _COMPILED.get(key)
     if fn is not None:
         return fn
@@ -589,7 +577,7 @@ def compile_decode_sm90(num_heads: int, q_len: int, page_size: int, tile_tokens:
     from cutlass.cute.runtime import make_ptr
 
     op = MLADecodeSM90(num_heads, q_len, page_size, tile_tokens, causal, rows_per_block=key[5],
-                       chunk_tokens=chunk_tokens, num_warps=num_warps, num_stages=num_stages)
+                       num_stages=num_stages)
     gmem = cute.AddressSpace.gmem
     base = 1 << 20
 
