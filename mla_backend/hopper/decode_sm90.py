@@ -34,9 +34,9 @@ Data path: FP8 end to end on the tensor cores (wgmma)
 - Online softmax in base 2 with the scale folded (scale_log2 = softmax_scale * q_scale * k_scale * log2 e),
   fp32 throughout: NUM_THREADS / ROWS threads per row, shuffle reductions, the per-row rescale in shared memory.
 - P goes to the FP8 MMA as two e4m3 planes, hi = e4m3(p * 256) and lo = e4m3(p * 256 - hi), one wgmma each.
-  One e4m3 plane alone (3 mantissa bits, up to 6.25% relative error per p) gives ~2% relative error on the
-  output when attention is spread over many tokens, because the per-token errors do not average out against
-  an output that is itself an average. hi + lo represents p to ~2^-8 relative (p * 256 keeps p >= 2^-14 out of
+  One e4m3 plane alone (3 mantissa bits, up to 6.25% relative error per p) would give ~2% relative error on
+  the output when attention is spread over many tokens (an estimate, not built: the per-token errors do not
+  average out against an output that is itself an average). hi + lo represents p to ~2^-8 relative (p * 256 keeps p >= 2^-14 out of
   e4m3's subnormals), which with fp32 accumulation and the bf16 output keeps the relative L2 error against the
   fp32 reference below 5e-3 (tests/hopper; the bench measures 4.5e-4 to 1.4e-3 on random data).
 - O^T (512 x ROWS, fp32) lives in registers: 4 m64 tiles x ROWS / 2 accumulators per thread.
