@@ -29,6 +29,8 @@ SHAPES = [
     (128, 8, 32, 64, True),
     (8, 1, 64, 64, False),
     (16, 4, 64, 32, True),
+    (12, 8, 32, 64, True),  # MTP verify: 96 rows in 3 row blocks
+    (64, 1, 64, 64, False),
 ]
 
 
@@ -52,7 +54,7 @@ compile_decode_sm90(num_heads={h}, q_len={q}, page_size={p}, causal=True, arch="
 """
 
 
-@pytest.mark.parametrize("num_heads,q_len,page_size", [(12, 1, 32), (16, 2, 64), (128, 8, 32)])
+@pytest.mark.parametrize("num_heads,q_len,page_size", [(12, 1, 32), (16, 2, 64), (12, 8, 32), (128, 8, 32)])
 def test_no_spills(tmp_path, num_heads, q_len, page_size):
     ptxas = shutil.which("ptxas")
     assert ptxas, "ptxas (CUDA 12.8+ / 13) must be on PATH: the spill check is part of the CPU suite"
