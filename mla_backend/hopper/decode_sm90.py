@@ -109,8 +109,8 @@ class MLADecodeSM90:
             raise ValueError(f"page_size must be a power of two, got {page_size}")
         if tile_tokens <= 0 or (tile_tokens % page_size and page_size % tile_tokens):
             raise ValueError(f"tile_tokens ({tile_tokens}) and page_size ({page_size}) must divide one another")
-        if num_stages < 2:
-            raise ValueError(f"num_stages must be at least 2, got {num_stages}")
+        if num_stages < 3:
+            raise ValueError(f"num_stages must be at least 3 (chunks ci, ci + 1 in use, one in flight), got {num_stages}")
         self.num_heads = num_heads
         self.q_len = q_len
         self.num_rows = num_heads * q_len  # R
@@ -192,7 +192,7 @@ class MLADecodeSM90:
         class SharedStorage:
             ring: cute.struct.Align[cute.struct.MemRange[FP8, NS * C * 128 * KV_BLOCKS], 1024]
             q: cute.struct.Align[cute.struct.MemRange[FP8, ROWS * 128 * KV_BLOCKS], 1024]
-            s: cute.struct.Align[cute.struct.MemRange[Float32, S_K_GROUPS * ROWS * S_STRIDE], 128]
+            s: cute.struct.Align[cute.struct.MemRange[Float32, 2 * S_K_GROUPS * ROWS * S_STRIDE], 128]
             p: cute.struct.Align[cute.struct.MemRange[FP8, 2 * ROWS * 64], 128]
             alpha: cute.struct.Align[cute.struct.MemRange[Float32, ROWS], 16]
             inv_l: cute.struct.Align[cute.struct.MemRange[Float32, ROWS], 16]
@@ -270,8 +270,8 @@ class MLADecodeSM90:
             (16, (8, KV_BLOCKS), C, NS), stride=(1, (16, C * 128), 128, C * 128 * KV_BLOCKS))))
         sQ8 = storage.q.get_tensor(cute.make_composed_layout(swz, 0, cute.make_layout(
             (16, (8, KV_BLOCKS), ROWS), stride=(1, (16, ROWS * 128), 128))))
-        sS = storage.s.get_tensor(
-            cute.make_layout((ROWS, C, S_K_GROUPS), stride=(S_STRIDE, 1, ROWS * S_STRIDE)))
+        sS = storage.s.get_tensor(cute.make_layout(
+            (ROWS, C, S_K_GROUPS, 2), stride=(S_STRIDE, 1, ROWS * S_STRIDE, S_K_GROUPS * ROWS * S_STRIDE)))
         # P words: (word w of the row = tokens pi(4w..4w+3), row, plane) in the core-matrix layout
         sPw = cute.make_tensor(cute.recast_ptr(storage.p.data_ptr(), dtype=Int32), cute.make_layout(
             ((4, 4), (8, ROWS // 8), 2), stride=((1, P_LBO // 4), (4, P_SBO // 4), ROWS * 16)))
@@ -348,50 +348,37 @@ class MLADecodeSM90:
             # read right before the cp.async would stall every warp for its L2 latency once per chunk.
             next_page = self._lookup_page(mBT, b, tok_begin + (NS - 1) * C, tok_end, tidx)
 
-            cute.arch.cp_async_wait_group(NS - 1)
+            cute.arch.cp_async_wait_group(NS - 2)  # Q and chunk 0
+            fence_proxy_async_smem()
             cute.arch.barrier()
+            if n_chunks > 0:
+                self._issue_s(acc_S, ring_addr, q_addr, 0, wg)
+                wgmma_wait(0)
+                self._store_s(acc_S, sS, 0, wg, wl, lg, lt)
 
             # ---- per-segment state ----
             acc_O.fill(0.0)
             row_max = -Float32.inf  # base-2, scaled
             row_sum = Float32(0.0)  # this thread's copy, identical across the row's TPR threads
 
+            # Software pipeline: iteration ci issues S^T of chunk ci + 1 on the tensor cores, runs the softmax of
+            # chunk ci (its S^T partials are in sS[ci % 2]) meanwhile, then P.V of chunk ci; two CTA barriers per
+            # chunk instead of three.
             for ci in range(n_chunks):
                 stage = ci % NS
                 chunk_tok0 = tok_begin + ci * C
-                cute.arch.cp_async_wait_group(NS - 2)
+                cute.arch.cp_async_wait_group(NS - 3)  # chunk ci + 1 landed
                 fence_proxy_async_smem()  # this thread's cp.async / zero-fill bytes -> visible to wgmma
-                cute.arch.barrier()  # chunk ci landed; P.V of chunk ci - 1 is done with its stage, sP, sAlpha
+                # chunk ci + 1 landed; S^T(ci) partials written; P.V of chunk ci - 1 is done with its stage, sP
+                cute.arch.barrier()
                 if ci + NS - 1 < n_chunks:
                     self._load_chunk(mKV, atom_cp_async, sRing, zero16, next_page, chunk_tok0 + (NS - 1) * C,
                                      tok_end, (ci + NS - 1) % NS, tidx)
                 cute.arch.cp_async_commit_group()
                 next_page = self._lookup_page(mBT, b, chunk_tok0 + NS * C, tok_end, tidx)
                 stage_addr = ring_addr + stage * (C * 128 * KV_BLOCKS)
-
-                # ---- S^T partial of this warpgroup: 64 tokens x ROWS rows over its 9 k32 steps ----
-                wgmma_fence()
-                for kk in cutlass.range_constexpr(KSTEPS):
-                    ks = wg * KSTEPS + kk
-                    kb = ks // 4
-                    koff = (ks % 4) * 32
-                    d = wgmma_ss_e4m3(stage_addr + kb * (C * 128) + koff, q_addr + kb * (ROWS * 128) + koff,
-                                      [acc_S[i] for i in range(ROWS // 2)], 0 if kk == 0 else 1)
-                    for i in cutlass.range_constexpr(ROWS // 2):
-                        acc_S[i] = d[i]
-                wgmma_commit()
-                wgmma_wait(0)
-                for i in cutlass.range_constexpr(ROWS // 2):
-                    acc_S[i] = fence_operand(acc_S[i])
-                # acc_S[4i + 0/1] = (token 16 wl + lg, rows 8i + 2 lt + 0/1), [4i + 2/3] = token + 8
-                for i in cutlass.range_constexpr(ROWS // 8):
-                    tok = wl * 16 + lg
-                    r = i * 8 + 2 * lt
-                    sS[r, tok, wg] = acc_S[4 * i + 0]
-                    sS[r + 1, tok, wg] = acc_S[4 * i + 1]
-                    sS[r, tok + 8, wg] = acc_S[4 * i + 2]
-                    sS[r + 1, tok + 8, wg] = acc_S[4 * i + 3]
-                cute.arch.barrier()
+                if ci + 1 < n_chunks:
+                    self._issue_s(acc_S, ring_addr, q_addr, (ci + 1) % NS, wg)
 
                 # ---- online softmax: thread owns P words w = ssub + TPR*i (k = 4w .. 4w + 3) ----
                 row_end = tok_end
@@ -405,7 +392,7 @@ class MLADecodeSM90:
                     n0 = (w // 4) * 16 + (w % 4) * 2  # tokens n0, n0 + 1, n0 + 8, n0 + 9 (the pi order)
                     for j in cutlass.range_constexpr(4):
                         n = n0 + (j // 2) * 8 + j % 2
-                        s = (sS[srow, n, 0] + sS[srow, n, 1]) * scale_log2
+                        s = (sS[srow, n, 0, ci % 2] + sS[srow, n, 1, ci % 2]) * scale_log2
                         if chunk_tok0 + n >= row_end:
                             s = -Float32.inf
                         vals[4 * i + j] = s
@@ -460,9 +447,11 @@ class MLADecodeSM90:
                             for i in cutlass.range_constexpr(NA):
                                 acc_O[t * NA + i] = d[i]
                 wgmma_commit()
-                wgmma_wait(0)
+                wgmma_wait(0)  # P.V of chunk ci and S^T of chunk ci + 1
                 for i in cutlass.range_constexpr(4 * NA):
                     acc_O[i] = fence_operand(acc_O[i])
+                if ci + 1 < n_chunks:
+                    self._store_s(acc_S, sS, (ci + 1) % 2, wg, wl, lg, lt)
 
             cute.arch.cp_async_wait_group(0)
 
@@ -506,6 +495,39 @@ class MLADecodeSM90:
             b = b + 1
 
     # ------------------------------------------------------------------------------------------------
+    @cute.jit
+    def _issue_s(self, acc_S: cute.Tensor, ring_addr: Int32, q_addr: Int32, stage: Int32, wg: Int32):
+        """Issue (and commit, not wait for) S^T = K.Q^T of the chunk in `stage` over warpgroup wg's 9 k32 steps."""
+        C = self.chunk
+        ROWS = self.rows
+        KSTEPS = KV_DIM // 32 // S_K_GROUPS
+        stage_addr = ring_addr + stage * (C * 128 * KV_BLOCKS)
+        wgmma_fence()
+        for kk in cutlass.range_constexpr(KSTEPS):
+            ks = wg * KSTEPS + kk
+            kb = ks // 4
+            koff = (ks % 4) * 32
+            d = wgmma_ss_e4m3(stage_addr + kb * (C * 128) + koff, q_addr + kb * (ROWS * 128) + koff,
+                              [acc_S[i] for i in range(ROWS // 2)], 0 if kk == 0 else 1)
+            for i in cutlass.range_constexpr(ROWS // 2):
+                acc_S[i] = d[i]
+        wgmma_commit()
+
+    @cute.jit
+    def _store_s(self, acc_S: cute.Tensor, sS: cute.Tensor, buf: Int32, wg: Int32, wl: Int32, lg: Int32, lt: Int32):
+        """Write this warpgroup's S^T partial (after wgmma_wait) to sS[..., wg, buf]:
+        acc_S[4i + 0/1] = (token 16 wl + lg, rows 8i + 2 lt + 0/1), [4i + 2/3] = token + 8."""
+        ROWS = self.rows
+        for i in cutlass.range_constexpr(ROWS // 2):
+            acc_S[i] = fence_operand(acc_S[i])
+        for i in cutlass.range_constexpr(ROWS // 8):
+            tok = wl * 16 + lg
+            r = i * 8 + 2 * lt
+            sS[r, tok, wg, buf] = acc_S[4 * i + 0]
+            sS[r + 1, tok, wg, buf] = acc_S[4 * i + 1]
+            sS[r, tok + 8, wg, buf] = acc_S[4 * i + 2]
+            sS[r + 1, tok + 8, wg, buf] = acc_S[4 * i + 3]
+
     @cute.jit
     def _lookup_page(self, mBT: cute.Tensor, b: Int32, tok0: Int32, tok_end: Int32, tidx: Int32) -> Int32:
         """Page of token tok0 + tidx / 4 of request b (the token this thread copies), 0 past tok_end: the block
