@@ -16,6 +16,19 @@ import torch
 KV_DIM, LATENT_DIM = 576, 512
 
 
+def _time_once(fn) -> float:
+    """GPU seconds of one fn() call. A ~200 us spin kernel goes first so that the GPU is still busy while the host
+    enqueues the start event, the launch and the end event: otherwise the host's launch overhead (tens to
+    hundreds of us of Python before the kernel reaches the GPU) would be timed too."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(400_000)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e-3
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--heads", type=int, default=12)
@@ -23,7 +36,7 @@ def main(argv=None) -> int:
     p.add_argument("--page", type=int, default=32)
     p.add_argument("--kv", type=int, default=1 << 20, help="KV tokens per request")
     p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--reps", type=int, default=50)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA GPU (Hopper)", file=sys.stderr)
@@ -59,16 +72,13 @@ def main(argv=None) -> int:
         run_decode_sm90(q, kv, block_table, seq_lens, KV_DIM ** -0.5, q_scale, k_scale, plan, out, lse,
                         ws.partial_out, ws.partial_lse)
 
+    # Warm up for ~0.3 s: an idle H200 sits at 345 MHz and needs a few milliseconds to reach its full clock.
     decode()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(args.reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+    for _ in range(max(1, int(0.3 / max(_time_once(decode), 1e-6)))):
         decode()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e-3)
+    torch.cuda.synchronize()
+    times = [_time_once(decode) for _ in range(args.reps)]
     t = statistics.median(times)
     kv_bytes = sum(lengths) * KV_DIM
     print(f"H{args.heads} q{args.q_len} page {args.page} {args.kv} x B{args.batch}: decode {t * 1e6:.1f} us, "
