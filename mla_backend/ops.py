@@ -14,7 +14,7 @@ from typing import List, Optional, Tuple
 import torch
 
 from . import reference
-from .planner import SplitPlan, plan_splits
+from .planner import SplitPlan, batch_bucket, plan_splits
 from .shapes import LATENT_DIM, check_decode_args, quantize_q
 
 Tensor = torch.Tensor
@@ -116,7 +116,8 @@ def mla_decode(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tenso
         lse = torch.empty(batch, q_len, heads, dtype=torch.float32, device=q.device)
     q8 = quantize_q(q, q_scale)
     if q.is_cuda and plan is None:
-        plan = plan_splits(seq_lens, q_len=q_len, num_heads=heads, page_size=kv.shape[1])
+        plan = plan_splits(seq_lens, q_len=q_len, num_heads=heads, page_size=kv.shape[1],
+                           max_batch=batch_bucket(batch))
     if plan is not None:
         if plan.max_batch < batch or plan.device != q.device:
             raise ValueError(f"plan holds {plan.max_batch} requests on {plan.device}; "

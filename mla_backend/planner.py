@@ -114,6 +114,15 @@ class SplitPlan:
         return cost
 
 
+def batch_bucket(batch: int) -> int:
+    """The max_batch of a plan the op makes for itself: the next power of two, at least 8. The device planner is
+    compiled per max_batch (~0.2 s each), so an eager caller whose batch size changes every step compiles it
+    once per bucket, not once per size; a plan may hold more requests than the batch."""
+    if batch < 0:
+        raise ValueError(f"batch must be >= 0, got {batch}")
+    return max(8, 1 << max(batch - 1, 0).bit_length())
+
+
 def plan_splits(seq_lens: Tensor, *, q_len: int, num_heads: int, page_size: int,
                 tile_tokens: Optional[int] = None, num_ctas: Optional[int] = None,
                 max_batch: Optional[int] = None, segment_overhead: int = DEFAULT_SEGMENT_OVERHEAD,

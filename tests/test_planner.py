@@ -7,6 +7,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from mla_backend import SplitPlan, plan_splits
+from mla_backend.planner import batch_bucket
 
 TILE = 64
 EDGE_LENGTHS = [0, 1, TILE - 1, TILE, TILE + 1, 4096, 131072, 1 << 20]
@@ -109,6 +110,29 @@ def test_padding_to_max_batch_and_refilling_buffers_in_place():
         for a, b in zip(plan.tensors(), fresh.tensors()):
             assert torch.equal(a, b)
         assert torch.all(plan.num_splits[len(lengths):] == 0)
+
+
+def test_batch_bucket_is_the_next_power_of_two_from_8():
+    assert [batch_bucket(b) for b in (0, 1, 7, 8, 9, 16, 17, 200, 256, 257)] == [8, 8, 8, 8, 16, 16, 32, 256, 256,
+                                                                                 512]
+    with pytest.raises(ValueError, match="batch"):
+        batch_bucket(-1)
+
+
+@pytest.mark.parametrize("lengths", [[5000, 3, 0], [1 << 20] + [4096] * 8, [1], [131072] * 5])
+def test_bucketed_plan_cuts_the_batch_like_an_exact_one(lengths):
+    """The op plans for batch_bucket(batch) requests when given no plan: the padding requests must not change a
+    single segment, split count or workspace slot of the real ones."""
+    seq_lens = torch.tensor(lengths, dtype=torch.int32)
+    kw = dict(q_len=1, num_heads=12, page_size=32, tile_tokens=TILE, num_ctas=40)
+    exact = plan_splits(seq_lens, max_batch=len(lengths), **kw)
+    bucketed = plan_splits(seq_lens, max_batch=batch_bucket(len(lengths)), **kw)
+    assert bucketed.max_batch == batch_bucket(len(lengths))
+    assert torch.equal(exact.segments(), bucketed.segments())
+    n = len(lengths)
+    for name in ("num_splits", "split_offset", "request_first_cta"):
+        assert torch.equal(getattr(exact, name), getattr(bucketed, name)[:n]), name
+    assert torch.all(bucketed.num_splits[n:] == 0)
 
 
 def test_planner_has_fixed_shapes_and_no_host_reads():
