@@ -1,32 +1,126 @@
-"""The SM90 decode kernel alone (no planner, no combine, no graph): one case, median of CUDA-event timings.
+"""The SM90 decode kernel alone (no planner, no combine, no graph), and interleaved A/B runs of kernel versions.
 
     python benchmarks/bench_decode_kernel.py --heads 12 --q-len 1 --page 32 --kv 1048576 --batch 4
 
-For A/B experiments on the kernel itself; `python -m mla_backend bench` is the step-time benchmark.
+    git show HEAD~1:mla_backend/hopper/decode_sm90.py > /tmp/before.py
+    python benchmarks/bench_decode_kernel.py --case "12 1 32 1048576 4" --case "16 2 32 1048576 2" \\
+        --variant /tmp/before.py
+
+Each --variant is a copy of mla_backend/hopper/decode_sm90.py; it is loaded as a module of mla_backend.hopper
+(so its relative imports resolve) and timed next to the installed kernel ("current"), in rounds that alternate
+between the versions, so that clock and thermal drift hit all of them alike. A one-off change is measured by
+editing a copy and passing it as a variant: no rebuild, one process, one comparison.
+
+Timing: one launch per sample, CUDA events around it, after a ~200 us spin kernel, so that the GPU is still
+busy while the host enqueues the start event, the launch and the end event (without it the host's launch path,
+~70-80 us at 1M x B4, is timed too). The floor is the KV bytes over the read bandwidth measured at the start of
+the same run (benchmarks/bench_decode.py's streaming-read kernel). `python -m mla_backend bench` is the
+decode-step benchmark (planner and combine included, CUDA graphs).
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
+import importlib.util
+import os
 import statistics
 import sys
 
 import torch
 
 KV_DIM, LATENT_DIM = 576, 512
+SPIN_CYCLES = 400_000  # ~200 us at the H200's clock: longer than the host's launch path
 
 
 def _time_once(fn) -> float:
-    """GPU seconds of one fn() call. A ~200 us spin kernel goes first so that the GPU is still busy while the host
-    enqueues the start event, the launch and the end event: otherwise the host's launch overhead (tens to
-    hundreds of us of Python before the kernel reaches the GPU) would be timed too."""
+    """GPU seconds of one fn() call (see the module docstring for why the spin kernel goes first)."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda._sleep(400_000)
+    torch.cuda._sleep(SPIN_CYCLES)
     start.record()
     fn()
     end.record()
     end.synchronize()
     return start.elapsed_time(end) * 1e-3
+
+
+def load_variant(path: str, index: int):
+    """Import a copy of decode_sm90.py as mla_backend.hopper._variant_<index>."""
+    import mla_backend.hopper as hopper
+
+    name = f"_variant_{index}"
+    dst = os.path.join(os.path.dirname(hopper.__file__), name + ".py")
+    with open(path) as src, open(dst, "w") as out:
+        out.write(src.read())
+    # removed at exit, not before: the DSL reads the kernel's source when it first compiles it
+    atexit.register(lambda: os.path.exists(dst) and os.remove(dst))
+    spec = importlib.util.spec_from_file_location(f"mla_backend.hopper.{name}", dst)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def make_inputs(heads, q_len, page, kv_len, batch, seed=0):
+    from mla_backend import DecodeWorkspace, SplitPlan, plan_splits
+
+    torch.manual_seed(seed)
+    lengths = [kv_len] * batch
+    pages_per = [-(-n // page) for n in lengths]
+    num_pages = sum(pages_per) + 1
+    kv = torch.empty(num_pages, page, KV_DIM, dtype=torch.uint8, device="cuda")
+    kv.random_(0, 256)
+    kv[(kv & 0x7F) == 0x7F] = 0  # no E4M3 NaN codes
+    kv = kv.view(torch.float8_e4m3fn)
+    block_table = torch.zeros(batch, max(pages_per), dtype=torch.int32, device="cuda")
+    perm = torch.randperm(num_pages - 1, device="cuda").int()
+    used = 0
+    for b, n in enumerate(pages_per):
+        block_table[b, :n] = perm[used:used + n]
+        used += n
+    seq_lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    q = torch.randn(batch, q_len, heads, KV_DIM, device="cuda").to(torch.float8_e4m3fn)
+    scales = torch.tensor([0.05], device="cuda"), torch.tensor([0.05], device="cuda")
+    plan = SplitPlan.empty(batch, torch.cuda.get_device_properties(0).multi_processor_count, device="cuda")
+    plan_splits(seq_lens, q_len=q_len, num_heads=heads, page_size=page, out=plan)
+    ws = DecodeWorkspace.for_plan(plan, q_len, heads)
+    return dict(q=q, kv=kv, block_table=block_table, seq_lens=seq_lens, scales=scales, plan=plan, ws=ws,
+                kv_bytes=sum(lengths) * KV_DIM)
+
+
+def decode_fn(module, inp):
+    batch, q_len, heads, _ = inp["q"].shape
+    out = torch.empty(batch, q_len, heads, LATENT_DIM, dtype=torch.bfloat16, device="cuda")
+    lse = torch.empty(batch, q_len, heads, device="cuda")
+
+    def decode():
+        module.run_decode_sm90(inp["q"], inp["kv"], inp["block_table"], inp["seq_lens"], KV_DIM ** -0.5,
+                               *inp["scales"], inp["plan"], out, lse, inp["ws"].partial_out, inp["ws"].partial_lse)
+    return decode
+
+
+def run_case(case, versions, rounds, per_round, bandwidth):
+    inp = make_inputs(*case)
+    fns = [decode_fn(m, inp) for _, m in versions]
+    for fn in fns:  # compile, then ~0.3 s of warm-up: an idle H200 sits at 345 MHz
+        fn()
+    torch.cuda.synchronize()
+    for fn in fns:
+        for _ in range(max(1, int(0.3 / len(fns) / max(_time_once(fn), 1e-6)))):
+            fn()
+    torch.cuda.synchronize()
+    times = [[] for _ in fns]
+    for _ in range(rounds):
+        for t, fn in zip(times, fns):
+            t.extend(_time_once(fn) for _ in range(per_round))
+    floor = inp["kv_bytes"] / bandwidth
+    heads, q_len, page, kv_len, batch = case
+    print(f"H{heads} q{q_len} page {page} {kv_len} x B{batch} (KV floor {floor * 1e6:.1f} us):")
+    for (name, _), t in zip(versions, times):
+        med = statistics.median(t)
+        spread = (max(t) - min(t)) / med
+        print(f"  {name:>24}: {med * 1e6:8.1f} us  {med / floor:5.3f} x floor  {inp['kv_bytes'] / med / 1e12:.2f} TB/s "
+              f"of KV  (min {min(t) * 1e6:.1f}, spread {spread:.1%})")
 
 
 def main(argv=None) -> int:
@@ -36,53 +130,30 @@ def main(argv=None) -> int:
     p.add_argument("--page", type=int, default=32)
     p.add_argument("--kv", type=int, default=1 << 20, help="KV tokens per request")
     p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--reps", type=int, default=50)
+    p.add_argument("--case", action="append", default=[],
+                   help='"heads q_len page kv batch"; repeatable; replaces --heads/--q-len/--page/--kv/--batch')
+    p.add_argument("--variant", action="append", default=[], help="a copy of decode_sm90.py to time as well")
+    p.add_argument("--rounds", type=int, default=8)
+    p.add_argument("--per-round", type=int, default=5)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA GPU (Hopper)", file=sys.stderr)
         return 2
-    from mla_backend import DecodeWorkspace, SplitPlan, plan_splits
-    from mla_backend.hopper.decode_sm90 import run_decode_sm90
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from bench_decode import measure_read_bandwidth
+    from mla_backend.hopper import decode_sm90
 
-    torch.manual_seed(0)
-    lengths = [args.kv] * args.batch
-    pages_per = [-(-n // args.page) for n in lengths]
-    num_pages = sum(pages_per) + 1
-    kv = torch.empty(num_pages, args.page, KV_DIM, dtype=torch.uint8, device="cuda")
-    kv.random_(0, 256)
-    kv[(kv & 0x7F) == 0x7F] = 0  # no E4M3 NaN codes
-    kv = kv.view(torch.float8_e4m3fn)
-    block_table = torch.zeros(args.batch, max(pages_per), dtype=torch.int32, device="cuda")
-    perm = torch.randperm(num_pages - 1, device="cuda").int()
-    used = 0
-    for b, n in enumerate(pages_per):
-        block_table[b, :n] = perm[used:used + n]
-        used += n
-    seq_lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
-    q = torch.randn(args.batch, args.q_len, args.heads, KV_DIM, device="cuda").to(torch.float8_e4m3fn)
-    q_scale = torch.tensor([0.05], device="cuda")
-    k_scale = torch.tensor([0.05], device="cuda")
-    out = torch.empty(args.batch, args.q_len, args.heads, LATENT_DIM, dtype=torch.bfloat16, device="cuda")
-    lse = torch.empty(args.batch, args.q_len, args.heads, device="cuda")
-    plan = SplitPlan.empty(args.batch, torch.cuda.get_device_properties(0).multi_processor_count, device="cuda")
-    plan_splits(seq_lens, q_len=args.q_len, num_heads=args.heads, page_size=args.page, out=plan)
-    ws = DecodeWorkspace.for_plan(plan, args.q_len, args.heads)
-
-    def decode():
-        run_decode_sm90(q, kv, block_table, seq_lens, KV_DIM ** -0.5, q_scale, k_scale, plan, out, lse,
-                        ws.partial_out, ws.partial_lse)
-
-    # Warm up for ~0.3 s: an idle H200 sits at 345 MHz and needs a few milliseconds to reach its full clock.
-    decode()
-    torch.cuda.synchronize()
-    for _ in range(max(1, int(0.3 / max(_time_once(decode), 1e-6)))):
-        decode()
-    torch.cuda.synchronize()
-    times = [_time_once(decode) for _ in range(args.reps)]
-    t = statistics.median(times)
-    kv_bytes = sum(lengths) * KV_DIM
-    print(f"H{args.heads} q{args.q_len} page {args.page} {args.kv} x B{args.batch}: decode {t * 1e6:.1f} us, "
-          f"{kv_bytes / t / 1e12:.2f} TB/s of KV")
+    cases = [tuple(int(x) for x in c.split()) for c in args.case] or [
+        (args.heads, args.q_len, args.page, args.kv, args.batch)]
+    for c in cases:
+        if len(c) != 5:
+            raise SystemExit(f"--case needs 5 numbers (heads q_len page kv batch), got {c}")
+    versions = [("current", decode_sm90)] + [(os.path.basename(v), load_variant(v, i))
+                                             for i, v in enumerate(args.variant)]
+    bandwidth = measure_read_bandwidth()
+    print(f"read bandwidth {bandwidth / 1e12:.2f} TB/s")
+    for c in cases:
+        run_case(c, versions, args.rounds, args.per_round, bandwidth)
     return 0
 
 

@@ -1,0 +1,41 @@
+"""benchmarks/bench_decode_kernel.py's A/B mode: a copy of decode_sm90.py loads as its own module and compiles
+(no GPU needed), so a one-off kernel edit can be timed next to the installed kernel in one process."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+
+
+def test_variant_is_an_independent_module_that_compiles(tmp_path):
+    import bench_decode_kernel
+    from mla_backend.hopper import decode_sm90
+
+    src = open(decode_sm90.__file__).read()
+    marker = "num_stages: int = 4,\n    ):"
+    assert marker in src, "the edit below must apply to the kernel's constructor"
+    edited = tmp_path / "three_stages.py"
+    edited.write_text(src.replace(marker, "num_stages: int = 3,\n    ):"))
+    variant = bench_decode_kernel.load_variant(str(edited), 0)
+    assert variant is not decode_sm90 and variant._COMPILED is not decode_sm90._COMPILED
+    assert variant.MLADecodeSM90(12, 1, 32).num_stages == 3
+    assert decode_sm90.MLADecodeSM90(12, 1, 32).num_stages == 4
+    assert callable(variant.compile_decode_sm90(12, 1, 32, arch="sm_90a"))
+
+
+def test_main_needs_a_gpu_and_says_so(capsys):
+    import torch
+
+    import bench_decode_kernel
+
+    if torch.cuda.is_available():
+        pytest.skip("this checks the message on machines without a GPU")
+    assert bench_decode_kernel.main(["--case", "12 1 32 4096 1"]) == 2
+    assert "GPU" in capsys.readouterr().err
