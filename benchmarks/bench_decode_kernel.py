@@ -88,20 +88,21 @@ def make_inputs(heads, q_len, page, kv_len, batch, seed=0):
                 kv_bytes=sum(lengths) * KV_DIM)
 
 
-def decode_fn(module, inp):
+def decode_fn(module, inp, rows_per_block=None):
     batch, q_len, heads, _ = inp["q"].shape
     out = torch.empty(batch, q_len, heads, LATENT_DIM, dtype=torch.bfloat16, device="cuda")
     lse = torch.empty(batch, q_len, heads, device="cuda")
 
     def decode():
         module.run_decode_sm90(inp["q"], inp["kv"], inp["block_table"], inp["seq_lens"], KV_DIM ** -0.5,
-                               *inp["scales"], inp["plan"], out, lse, inp["ws"].partial_out, inp["ws"].partial_lse)
+                               *inp["scales"], inp["plan"], out, lse, inp["ws"].partial_out, inp["ws"].partial_lse,
+                               **({} if rows_per_block is None else {"rows_per_block": rows_per_block}))
     return decode
 
 
-def run_case(case, versions, rounds, per_round, bandwidth):
+def run_case(case, versions, rounds, per_round, bandwidth, rows_per_block=None):
     inp = make_inputs(*case)
-    fns = [decode_fn(m, inp) for _, m in versions]
+    fns = [decode_fn(m, inp, rows_per_block) for _, m in versions]
     for fn in fns:  # compile, then ~0.3 s of warm-up: an idle H200 sits at 345 MHz
         fn()
     torch.cuda.synchronize()
@@ -133,6 +134,8 @@ def main(argv=None) -> int:
     p.add_argument("--case", action="append", default=[],
                    help='"heads q_len page kv batch"; repeatable; replaces --heads/--q-len/--page/--kv/--batch')
     p.add_argument("--variant", action="append", default=[], help="a copy of decode_sm90.py to time as well")
+    p.add_argument("--rows-per-block", type=int, default=None,
+                   help="query rows per CTA (16 or 32; default: 16 up to 16 rows, else 32)")
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--per-round", type=int, default=5)
     args = p.parse_args(argv)
@@ -153,7 +156,7 @@ def main(argv=None) -> int:
     bandwidth = measure_read_bandwidth()
     print(f"read bandwidth {bandwidth / 1e12:.2f} TB/s")
     for c in cases:
-        run_case(c, versions, args.rounds, args.per_round, bandwidth)
+        run_case(c, versions, args.rounds, args.per_round, bandwidth, args.rows_per_block)
     return 0
 
 
