@@ -18,16 +18,15 @@ def test_variant_is_an_independent_module_that_compiles(tmp_path):
     import bench_decode_kernel
     from mla_backend.hopper import decode_sm90
 
-    src = open(decode_sm90.__file__).read()
-    marker = "num_stages: int = 4,\n    ):"
-    assert marker in src, "the edit below must apply to the kernel's constructor"
-    edited = tmp_path / "three_stages.py"
-    edited.write_text(src.replace(marker, "num_stages: int = 3,\n    ):"))
+    edited = tmp_path / "edited.py"
+    edited.write_text(open(decode_sm90.__file__).read() + "\nSM90_SMEM_CAPACITY = 100 * 1024  # edited copy\n")
     variant = bench_decode_kernel.load_variant(str(edited), 0)
     assert variant is not decode_sm90 and variant._COMPILED is not decode_sm90._COMPILED
-    assert variant.MLADecodeSM90(12, 1, 32).num_stages == 3
-    assert decode_sm90.MLADecodeSM90(12, 1, 32).num_stages == 4
-    assert callable(variant.compile_decode_sm90(12, 1, 32, arch="sm_90a"))
+    assert variant.SM90_SMEM_CAPACITY == 100 * 1024 and decode_sm90.SM90_SMEM_CAPACITY == 227 * 1024
+    # the edit takes effect in the copy only: its kernel no longer fits the (edited) shared-memory limit
+    with pytest.raises(ValueError, match="shared memory"):
+        variant.compile_decode_sm90(12, 1, 32, arch="sm_90a")
+    assert callable(decode_sm90.compile_decode_sm90(12, 1, 32, arch="sm_90a"))
 
 
 def test_main_needs_a_gpu_and_says_so(capsys):
