@@ -96,7 +96,7 @@ def decode_fn(module, inp, rows_per_block=None):
     def decode():
         module.run_decode_sm90(inp["q"], inp["kv"], inp["block_table"], inp["seq_lens"], KV_DIM ** -0.5,
                                *inp["scales"], inp["plan"], out, lse, inp["ws"].partial_out, inp["ws"].partial_lse,
-                               **({} if rows_per_block is None else {"rows_per_block": rows_per_block}))
+                               rows_per_block=rows_per_block)
     return decode
 
 
