@@ -54,6 +54,12 @@ the cp.async of chunk ci + 3, the S^T wgmmas of chunk ci + 1 issued without wait
 second barrier (P and the row rescale written), P.V of chunk ci, then the wait for both wgmma groups and the S^T
 partials of chunk ci + 1 stored (double-buffered). Three barriers with S^T in its own iteration measured 4% slower.
 
+16-row blocks (q_len x H <= 16, the TP8 decode case) run a ping-pong schedule instead:
+warpgroup w takes the chunks 2j + w (ring stages w and w + 2, loading its own chunks one ahead) and runs all of
+S^T, the softmax and P.V (all 512 dims, 64 fp32 accumulators per thread) on them with its own running max and
+sum and named warpgroup barriers only, so one warpgroup's softmax latency overlaps the other's MMAs; the two
+partial results are merged through shared memory once per segment.
+
 Shared memory per CTA (4 stages): 160 KB ring + 5 x ROWS x 128 B Q + 2 x 2 x ROWS x 72 x 4 B S partials +
 2 x ROWS x 64 B P (~190 KB for ROWS 16, ~220 KB for ROWS 32).
 """
@@ -111,6 +117,7 @@ class MLADecodeSM90:
         causal: bool = True,
         rows_per_block: Optional[int] = None,
         num_stages: int = 4,
+        pingpong: Optional[bool] = None,
     ):
         if page_size <= 0 or page_size & (page_size - 1):
             raise ValueError(f"page_size must be a power of two, got {page_size}")
@@ -132,7 +139,15 @@ class MLADecodeSM90:
         self.num_threads = NUM_THREADS
         self.num_stages = num_stages
         assert 4 * self.chunk == NUM_THREADS  # _load_chunk: 4 threads per token
-        self.tpr = NUM_THREADS // self.rows  # softmax threads per row: 16 or 8
+        # Ping-pong (16-row blocks): each warpgroup runs the whole chunk pipeline (all of S^T, the softmax, P.V
+        # over all 512 dims) on alternate chunks with its own softmax state, synchronising with named
+        # warpgroup barriers only; the two partial results meet once per segment. 32 rows would need 128
+        # fp32 O^T registers per thread, so they keep the split of the dims between the warpgroups.
+        self.pingpong = (self.rows == 16 and num_stages == 4) if pingpong is None else bool(pingpong)
+        if self.pingpong and (self.rows != 16 or num_stages != 4):
+            raise ValueError("the ping-pong schedule needs 16-row blocks and 4 stages (2 per warpgroup)")
+        # softmax threads per row: 16 or 8 (both warpgroups on one chunk), 8 (one warpgroup per chunk)
+        self.tpr = (NUM_THREADS // 2 if self.pingpong else NUM_THREADS) // self.rows
         self.words_per_thread = (self.chunk // 4) // self.tpr  # P words (4 tokens) per softmax thread
 
     @cute.jit
@@ -200,9 +215,10 @@ class MLADecodeSM90:
             ring: cute.struct.Align[cute.struct.MemRange[FP8, NS * C * 128 * KV_BLOCKS], 1024]
             q: cute.struct.Align[cute.struct.MemRange[FP8, ROWS * 128 * KV_BLOCKS], 1024]
             s: cute.struct.Align[cute.struct.MemRange[Float32, 2 * S_K_GROUPS * ROWS * S_STRIDE], 128]
-            p: cute.struct.Align[cute.struct.MemRange[FP8, 2 * ROWS * 64], 128]
-            alpha: cute.struct.Align[cute.struct.MemRange[Float32, ROWS], 16]
+            p: cute.struct.Align[cute.struct.MemRange[FP8, 2 * 2 * ROWS * 64], 128]
+            alpha: cute.struct.Align[cute.struct.MemRange[Float32, 2 * ROWS], 16]
             inv_l: cute.struct.Align[cute.struct.MemRange[Float32, ROWS], 16]
+            row_ml: cute.struct.Align[cute.struct.MemRange[Float32, 2 * 2 * ROWS], 16]
 
         atom_cp_async = cute.make_copy_atom(
             cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), FP8, num_bits_per_copy=128)
@@ -252,10 +268,10 @@ class MLADecodeSM90:
         C = self.chunk
         ROWS = self.rows
         NS = self.num_stages
-        NT = self.num_threads
         TPR = self.tpr
         PIECES = KV_DIM // 16  # 16-byte pieces per token row
-        KSTEPS = KV_DIM // 32 // S_K_GROUPS  # k32 steps per K half: 9
+        NA = ROWS // 2  # accumulators per m64 tile of S^T or O^T
+        WGT = NUM_THREADS // 2  # threads per warpgroup
 
         tidx, _, _ = cute.arch.thread_idx()
         rb, cta, _ = cute.arch.block_idx()
@@ -264,6 +280,8 @@ class MLADecodeSM90:
         lane = tidx % 32
         lg = lane // 4  # MMA fragment row group
         lt = lane % 4  # MMA fragment thread-in-group
+        wg = warp_idx // 4
+        wl = warp_idx % 4  # warp in the warpgroup: S^T rows (tokens) 16 wl + lg, + 8
 
         q_scale = mQScale[0]
         k_scale = mKScale[0]
@@ -277,35 +295,54 @@ class MLADecodeSM90:
             (16, (8, KV_BLOCKS), C, NS), stride=(1, (16, C * 128), 128, C * 128 * KV_BLOCKS))))
         sQ8 = storage.q.get_tensor(cute.make_composed_layout(swz, 0, cute.make_layout(
             (16, (8, KV_BLOCKS), ROWS), stride=(1, (16, ROWS * 128), 128))))
-        sS = storage.s.get_tensor(cute.make_layout(
-            (ROWS, C, S_K_GROUPS, 2), stride=(S_STRIDE, 1, ROWS * S_STRIDE, S_K_GROUPS * ROWS * S_STRIDE)))
-        # P words: (word w of the row = tokens pi(4w..4w+3), row, plane) in the core-matrix layout
-        sPw = cute.make_tensor(cute.recast_ptr(storage.p.data_ptr(), dtype=Int32), cute.make_layout(
-            ((4, 4), (8, ROWS // 8), 2), stride=((1, P_LBO // 4), (4, P_SBO // 4), ROWS * 16)))
-        sAlpha = storage.alpha.get_tensor(cute.make_layout((ROWS,)))
         sInvL = storage.inv_l.get_tensor(cute.make_layout((ROWS,)))
         ring_addr = storage.ring.data_ptr().toint()
         q_addr = storage.q.data_ptr().toint()
-        p_addr = storage.p.data_ptr().toint()
+        if cutlass.const_expr(self.pingpong):
+            # S^T of each warpgroup's current chunk (all of K): (row, token, one partial, warpgroup)
+            sS = storage.s.get_tensor(cute.make_layout((ROWS, C, 1, 2), stride=(S_STRIDE, 1, 0, ROWS * S_STRIDE)))
+            # P words: (word w of the row = tokens pi(4w..4w+3), row, plane, warpgroup), core-matrix layout
+            sPw = cute.make_tensor(cute.recast_ptr(storage.p.data_ptr(), dtype=Int32), cute.make_layout(
+                ((4, 4), (8, ROWS // 8), 2, 2),
+                stride=((1, P_LBO // 4), (4, P_SBO // 4), ROWS * 16, 2 * ROWS * 16)))[None, None, None, wg]
+            sAlpha = storage.alpha.get_tensor(cute.make_layout((ROWS, 2), stride=(1, ROWS)))[None, wg]
+            # (max or sum, row, warpgroup) at the end of a segment
+            sML = storage.row_ml.get_tensor(cute.make_layout((2, ROWS, 2), stride=(1, 2, 2 * ROWS)))
+            # O^T accumulators handed to the other warpgroup at the end of a segment, in the (then idle) ring:
+            # (thread, accumulator, tile of the receiver's half, receiving warpgroup)
+            sX = cute.make_tensor(cute.recast_ptr(storage.ring.data_ptr(), dtype=Float32), cute.make_layout(
+                (WGT, NA, 4, 2), stride=(1, WGT, NA * WGT, 4 * NA * WGT)))
+            p_addr = storage.p.data_ptr().toint() + wg * (2 * ROWS * 64)
+            tw = tidx % WGT  # thread in the warpgroup
+            wg_bar = wg + 1  # the warpgroup's named barrier (0 is the CTA's)
+            soft_tid = tw
+            num_o_tiles = 8  # each warpgroup accumulates all 512 dims
+        else:
+            # S^T partials: (row, token, k half = warpgroup, buffer = chunk % 2)
+            sS = storage.s.get_tensor(cute.make_layout(
+                (ROWS, C, S_K_GROUPS, 2), stride=(S_STRIDE, 1, ROWS * S_STRIDE, S_K_GROUPS * ROWS * S_STRIDE)))
+            # P words: (word w of the row = tokens pi(4w..4w+3), row, plane) in the core-matrix layout
+            sPw = cute.make_tensor(cute.recast_ptr(storage.p.data_ptr(), dtype=Int32), cute.make_layout(
+                ((4, 4), (8, ROWS // 8), 2), stride=((1, P_LBO // 4), (4, P_SBO // 4), ROWS * 16)))
+            sAlpha = storage.alpha.get_tensor(cute.make_layout((ROWS,)))
+            p_addr = storage.p.data_ptr().toint()
+            soft_tid = tidx
+            num_o_tiles = 4  # warpgroup wg accumulates dims [256 wg, 256 wg + 256)
 
-        # ---- S = K.Q^T on the tensor cores: warpgroup wg runs the k32 steps [9 wg, 9 wg + 9) for all 64 tokens ----
-        wg = warp_idx // 4
-        wl = warp_idx % 4  # warp in the warpgroup: S^T rows (tokens) 16 wl + lg, + 8
-        # ---- O^T = V^T.P^T on the tensor cores: warpgroup wg owns dims [256 wg, 256 wg + 256) as 4 m64 tiles;
-        # in tile t, warp wl's 16 M rows are dims d0 = 64 (4 wg + t) + 16 wl: rows 0-7 the even dims d0 + 2g,
-        # rows 8-15 the odd ones. Its A registers come from ldmatrix.trans on tokens 32 ks + lane, 16 bytes at
-        # d0, which sit in block d0 / 128, piece (d0 % 128) / 16.
+        # ---- O^T = V^T.P^T on the tensor cores, in m64 tiles of dims: in tile t (dims [64 t, 64 t + 64)), warp
+        # wl's 16 M rows are dims d0 = 64 t + 16 wl: rows 0-7 the even dims d0 + 2g, rows 8-15 the odd ones. Its
+        # A registers come from ldmatrix.trans on tokens 32 ks + lane, 16 bytes at d0, which sit in block
+        # d0 / 128, piece (d0 % 128) / 16.
         v_lane_off = lane * 128
 
         # ---- registers ----
-        acc_S = cute.make_rmem_tensor(cute.make_layout((ROWS // 2,)), Float32)
-        # O^T: 4 m64 tiles x ROWS / 2 accumulators
-        NA = ROWS // 2
-        acc_O = cute.make_rmem_tensor(cute.make_layout((4 * NA,)), Float32)
+        acc_S = cute.make_rmem_tensor(cute.make_layout((NA,)), Float32)
+        acc_S2 = cute.make_rmem_tensor(cute.make_layout((NA,)), Float32)  # ping-pong: the second k half
+        acc_O = cute.make_rmem_tensor(cute.make_layout((num_o_tiles * NA,)), Float32)
 
         # ---- softmax ownership: TPR consecutive threads per row ----
-        srow = tidx // TPR
-        ssub = tidx % TPR
+        srow = soft_tid // TPR
+        ssub = soft_tid % TPR
         srow_g = row0 + srow
         s_t = srow_g // H  # query position t of this row (rows >= R are padding)
 
@@ -331,6 +368,11 @@ class MLADecodeSM90:
                 # no row of this block sees past L - q_len + t_last
                 tok_end = cutlass.min(tok_end, seq_len - self.q_len + t_last + 1)
             n_chunks = cutlass.max(tok_end - tok_begin + (C - 1), 0) // C
+            row_end = tok_end
+            if cutlass.const_expr(self.causal):
+                row_end = cutlass.min(tok_end, seq_len - self.q_len + s_t + 1)
+            split = mNumSplits[b] != 1
+            slot = mSplitOffset[b] + cta - mReqFirstCta[b]
 
             # ---- Q of request b: cp.async (thread t: row t / 4, pieces t % 4 + 4i), padding rows zeroed ----
             qrow = tidx // 4
@@ -344,142 +386,170 @@ class MLADecodeSM90:
                         cute.autovec_copy(zero16, sQ8[None, tidx % 4 + 4 * i, qrow])
             cute.arch.cp_async_commit_group()
 
-            # ---- prologue: the first NS - 1 chunks ----
-            for st in cutlass.range_constexpr(NS - 1):
-                if st < n_chunks:
-                    page = self._lookup_page(mBT, b, tok_begin + st * C, tok_end, tidx)
-                    self._load_chunk(mKV, atom_cp_async, sRing, zero16, page, tok_begin + st * C, tok_end, st,
-                                     tidx)
-                cute.arch.cp_async_commit_group()
-            # The block-table entry of the next chunk to load is read one iteration early: a dependent global
-            # read right before the cp.async would stall every warp for its L2 latency once per chunk.
-            next_page = self._lookup_page(mBT, b, tok_begin + (NS - 1) * C, tok_end, tidx)
-
-            cute.arch.cp_async_wait_group(NS - 2)  # Q and chunk 0
-            fence_proxy_async_smem()
-            cute.arch.barrier()
-            if n_chunks > 0:
-                self._issue_s(acc_S, ring_addr, q_addr, 0, wg)
-                wgmma_wait(0)
-                self._store_s(acc_S, sS, 0, wg, wl, lg, lt)
-
-            # ---- per-segment state ----
             acc_O.fill(0.0)
             row_max = -Float32.inf  # base-2, scaled
             row_sum = Float32(0.0)  # this thread's copy, identical across the row's TPR threads
 
-            # Software pipeline: iteration ci issues S^T of chunk ci + 1 on the tensor cores, runs the softmax of
-            # chunk ci (its S^T partials are in sS[ci % 2]) meanwhile, then P.V of chunk ci; two CTA barriers per
-            # chunk instead of three.
-            for ci in range(n_chunks):
-                stage = ci % NS
-                chunk_tok0 = tok_begin + ci * C
-                cute.arch.cp_async_wait_group(NS - 3)  # chunk ci + 1 landed
-                fence_proxy_async_smem()  # this thread's cp.async / zero-fill bytes -> visible to wgmma
-                # chunk ci + 1 landed; S^T(ci) partials written; P.V of chunk ci - 1 is done with its stage, sP
-                cute.arch.barrier()
-                if ci + NS - 1 < n_chunks:
-                    self._load_chunk(mKV, atom_cp_async, sRing, zero16, next_page, chunk_tok0 + (NS - 1) * C,
-                                     tok_end, (ci + NS - 1) % NS, tidx)
+            if cutlass.const_expr(self.pingpong):
+                # ======== ping-pong: warpgroup wg takes the chunks 2 j + wg (ring stages wg and wg + 2) ========
+                n_mine = (n_chunks + 1 - wg) // 2
+                if n_mine > 0:
+                    tok0 = tok_begin + wg * C
+                    self._load_chunk(mKV, atom_cp_async, sRing, zero16, self._lookup_page(mBT, b, tok0, tok_end, tw),
+                                     tok0, tok_end, wg, tw)
+                    self._load_chunk(mKV, atom_cp_async, sRing, zero16,
+                                     self._lookup_page(mBT, b, tok0 + C // 2, tok_end, tw), tok0, tok_end, wg, tw,
+                                     C // 2)
                 cute.arch.cp_async_commit_group()
-                next_page = self._lookup_page(mBT, b, chunk_tok0 + NS * C, tok_end, tidx)
-                stage_addr = ring_addr + stage * (C * 128 * KV_BLOCKS)
-                if ci + 1 < n_chunks:
-                    self._issue_s(acc_S, ring_addr, q_addr, (ci + 1) % NS, wg)
-
-                # ---- online softmax: thread owns P words w = ssub + TPR*i (k = 4w .. 4w + 3) ----
-                row_end = tok_end
-                if cutlass.const_expr(self.causal):
-                    row_end = cutlass.min(tok_end, seq_len - self.q_len + s_t + 1)
-                WPT = self.words_per_thread
-                vals = cute.make_rmem_tensor(cute.make_layout((4 * WPT,)), Float32)
-                cmax = -Float32.inf
-                for i in cutlass.range_constexpr(WPT):
-                    w = ssub + TPR * i
-                    n0 = (w // 4) * 16 + (w % 4) * 2  # tokens n0, n0 + 1, n0 + 8, n0 + 9 (the pi order)
-                    for j in cutlass.range_constexpr(4):
-                        n = n0 + (j // 2) * 8 + j % 2
-                        s = (sS[srow, n, 0, ci % 2] + sS[srow, n, 1, ci % 2]) * scale_log2
-                        if chunk_tok0 + n >= row_end:
-                            s = -Float32.inf
-                        vals[4 * i + j] = s
-                        cmax = cute.arch.fmax(cmax, s)
-                cmax = self._row_allreduce(cmax, True)
-                new_max = cute.arch.fmax(row_max, cmax)
-                use_max = new_max
-                if new_max == -Float32.inf:
-                    use_max = Float32(0.0)
-                alpha = cute.math.exp2(row_max - use_max, fastmath=True)
-                csum = Float32(0.0)
-                for i in cutlass.range_constexpr(WPT):
-                    w = ssub + TPR * i
-                    pv = [cute.math.exp2(vals[4 * i + j] - use_max, fastmath=True) for j in range(4)]
-                    csum = csum + (pv[0] + pv[1]) + (pv[2] + pv[3])
-                    hi, lo = quantize_p_hi_lo(pv[0] * P_SCALE, pv[1] * P_SCALE, pv[2] * P_SCALE, pv[3] * P_SCALE)
-                    sPw[w, srow, 0] = hi
-                    sPw[w, srow, 1] = lo
-                fence_proxy_async_smem()  # P is a wgmma operand
-                csum = self._row_allreduce(csum, False)
-                row_sum = row_sum * alpha + csum
-                row_max = new_max
-                if ssub == 0:
-                    sAlpha[srow] = alpha
+                # pages of this warpgroup's next chunk, read a whole warpgroup iteration before its copies
+                next0 = self._lookup_page(mBT, b, tok_begin + (wg + 2) * C, tok_end, tw)
+                next1 = self._lookup_page(mBT, b, tok_begin + (wg + 2) * C + C // 2, tok_end, tw)
+                cute.arch.cp_async_wait_group(1)  # Q
+                fence_proxy_async_smem()  # the Q writers (all in warpgroup 0) -> the S^T wgmmas of both warpgroups
                 cute.arch.barrier()
 
-                # ---- O^T = alpha * O^T + V^T.P^T, 4 m64 tiles per warpgroup ----
-                # acc_O[t * NA + 4j + e] = (dim d0 + 2 lg, row 8j + 2 lt + e), [.. + 2 + e] = (dim + 1, same row)
-                for j in cutlass.range_constexpr(ROWS // 8):
+                for j in range(n_mine):
+                    chunk_tok0 = tok_begin + (2 * j + wg) * C
+                    stage = wg + 2 * (j % 2)
+                    cute.arch.cp_async_wait_group(0)  # chunk j: the only group of this thread in flight
+                    fence_proxy_async_smem()
+                    # chunk j landed for the whole warpgroup; P.V of chunk j - 1 is done with the other stage,
+                    # sS and sP
+                    cute.arch.barrier(barrier_id=wg_bar, number_of_threads=WGT)
+                    if j + 1 < n_mine:
+                        next_stage = wg + 2 * ((j + 1) % 2)
+                        self._load_chunk(mKV, atom_cp_async, sRing, zero16, next0, chunk_tok0 + 2 * C, tok_end,
+                                         next_stage, tw)
+                        self._load_chunk(mKV, atom_cp_async, sRing, zero16, next1, chunk_tok0 + 2 * C, tok_end,
+                                         next_stage, tw, C // 2)
+                    cute.arch.cp_async_commit_group()
+                    next0 = self._lookup_page(mBT, b, chunk_tok0 + 4 * C, tok_end, tw)
+                    next1 = self._lookup_page(mBT, b, chunk_tok0 + 4 * C + C // 2, tok_end, tw)
+
+                    # all 18 k32 steps, as two chains of 9 summed in fp32: the FP8 wgmma accumulator keeps fewer
+                    # mantissa bits than fp32, and one 18-step chain measured 4x the lse error of the split
+                    # schedule (2.4e-3 vs 5.6e-4).
+                    self._issue_s(acc_S, ring_addr, q_addr, stage, 0, KV_DIM // 64)
+                    self._issue_s(acc_S2, ring_addr, q_addr, stage, KV_DIM // 64, KV_DIM // 64)
+                    wgmma_wait(0)
+                    for i in cutlass.range_constexpr(NA):
+                        acc_S[i] = fence_operand(acc_S[i]) + fence_operand(acc_S2[i])
+                    self._store_s(acc_S, sS[None, None, None, wg], 0, wl, lg, lt)
+                    cute.arch.barrier(barrier_id=wg_bar, number_of_threads=WGT)
+
+                    row_max, row_sum, alpha = self._softmax_chunk(
+                        sS[None, None, None, wg], sPw, row_max, row_sum, chunk_tok0, row_end, scale_log2, srow, ssub)
+                    if ssub == 0:
+                        sAlpha[srow] = alpha
+                    cute.arch.barrier(barrier_id=wg_bar, number_of_threads=WGT)
+
+                    self._rescale_o(acc_O, sAlpha, lt)
+                    stage_addr = ring_addr + stage * (C * 128 * KV_BLOCKS)
+                    self._issue_pv(acc_O, stage_addr, p_addr, 0, 0, wl, lane)  # tiles 0-3, then 4-7: 32 A
+                    self._issue_pv(acc_O, stage_addr, p_addr, 4, 4, wl, lane)  # registers live at a time
+                    wgmma_wait(0)
+                    for i in cutlass.range_constexpr(8 * NA):
+                        acc_O[i] = fence_operand(acc_O[i])
+                cute.arch.cp_async_wait_group(0)
+
+                # ---- merge the warpgroups' partials: rescale each to the common max, swap halves of the dims ----
+                if ssub == 0:
+                    sML[0, srow, wg] = row_max
+                    sML[1, srow, wg] = row_sum
+                cute.arch.barrier()  # also: no copy into the ring and no read of it is in flight any more
+                for jj in cutlass.range_constexpr(ROWS // 8):
                     for e in cutlass.range_constexpr(2):
-                        al = sAlpha[8 * j + 2 * lt + e]
-                        for t in cutlass.range_constexpr(4):
-                            acc_O[t * NA + 4 * j + e] = acc_O[t * NA + 4 * j + e] * al
-                            acc_O[t * NA + 4 * j + 2 + e] = acc_O[t * NA + 4 * j + 2 + e] * al
-                # all A registers first (32 per thread), then one fence and 16 back-to-back wgmmas
-                a_regs = []
-                for t in cutlass.range_constexpr(4):
-                    tile = wg * 4 + t
-                    piece = ((tile % 2) * 4 + wl) ^ (lane % 8)
-                    v_addr = stage_addr + (tile // 2) * (C * 128) + v_lane_off + piece * 16
-                    for ks in cutlass.range_constexpr(C // 32):
-                        m = ldmatrix_x4(v_addr + ks * 32 * 128, True)
-                        a_regs.append((prmt(m[0], m[1], 0x6420), prmt(m[0], m[1], 0x7531),
-                                       prmt(m[2], m[3], 0x6420), prmt(m[2], m[3], 0x7531)))
-                wgmma_fence()
-                for t in cutlass.range_constexpr(4):
-                    for ks in cutlass.range_constexpr(C // 32):
-                        for plane in cutlass.range_constexpr(2):
-                            d = wgmma_rs_e4m3(a_regs[t * (C // 32) + ks],
-                                              p_addr + plane * (ROWS * 64) + ks * 2 * P_LBO, P_LBO, P_SBO,
-                                              [acc_O[t * NA + i] for i in range(NA)])
-                            for i in cutlass.range_constexpr(NA):
-                                acc_O[t * NA + i] = d[i]
-                wgmma_commit()
-                wgmma_wait(0)  # P.V of chunk ci and S^T of chunk ci + 1
-                for i in cutlass.range_constexpr(4 * NA):
-                    acc_O[i] = fence_operand(acc_O[i])
-                if ci + 1 < n_chunks:
-                    self._store_s(acc_S, sS, (ci + 1) % 2, wg, wl, lg, lt)
+                        orow = 8 * jj + 2 * lt + e
+                        m_all = cute.arch.fmax(sML[0, orow, 0], sML[0, orow, 1])
+                        if m_all == -Float32.inf:
+                            m_all = Float32(0.0)
+                        a_own = cute.math.exp2(sML[0, orow, wg] - m_all, fastmath=True)
+                        for t in cutlass.range_constexpr(8):
+                            acc_O[t * NA + 4 * jj + e] = acc_O[t * NA + 4 * jj + e] * a_own
+                            acc_O[t * NA + 4 * jj + 2 + e] = acc_O[t * NA + 4 * jj + 2 + e] * a_own
+                # (tile indices stay compile-time constants: a runtime index would put acc_O in local memory)
+                for t in cutlass.range_constexpr(8):
+                    if t // 4 != wg:
+                        for i in cutlass.range_constexpr(NA):
+                            sX[tw, i, t % 4, 1 - wg] = acc_O[t * NA + i]
+                if wg == 0:
+                    if ssub == 0:
+                        m0 = sML[0, srow, 0]
+                        m1 = sML[0, srow, 1]
+                        m_all = cute.arch.fmax(m0, m1)
+                        if m_all == -Float32.inf:
+                            m_all = Float32(0.0)
+                        l_all = (sML[1, srow, 0] * cute.math.exp2(m0 - m_all, fastmath=True)
+                                 + sML[1, srow, 1] * cute.math.exp2(m1 - m_all, fastmath=True))
+                        self._finish_row(m_all, l_all, k_scale, sInvL, mLse, mPLse, srow, srow_g, b, split, slot)
+                cute.arch.barrier()
+                for t in cutlass.range_constexpr(8):
+                    if t // 4 == wg:
+                        for i in cutlass.range_constexpr(NA):
+                            acc_O[t * NA + i] = acc_O[t * NA + i] + sX[tw, i, t % 4, wg]
+            else:
+                # ======== both warpgroups on every chunk: S^T split over K, O^T over the dims ========
+                for st in cutlass.range_constexpr(NS - 1):
+                    if st < n_chunks:
+                        page = self._lookup_page(mBT, b, tok_begin + st * C, tok_end, tidx)
+                        self._load_chunk(mKV, atom_cp_async, sRing, zero16, page, tok_begin + st * C, tok_end, st,
+                                         tidx)
+                    cute.arch.cp_async_commit_group()
+                # The block-table entry of the next chunk to load is read one iteration early: a dependent global
+                # read right before the cp.async would stall every warp for its L2 latency once per chunk.
+                next_page = self._lookup_page(mBT, b, tok_begin + (NS - 1) * C, tok_end, tidx)
 
-            cute.arch.cp_async_wait_group(0)
+                cute.arch.cp_async_wait_group(NS - 2)  # Q and chunk 0
+                fence_proxy_async_smem()
+                cute.arch.barrier()
+                KSTEPS = KV_DIM // 32 // S_K_GROUPS  # warpgroup wg sums the k32 steps [9 wg, 9 wg + 9)
+                if n_chunks > 0:
+                    self._issue_s(acc_S, ring_addr, q_addr, 0, wg * KSTEPS, KSTEPS)
+                    wgmma_wait(0)
+                    self._store_s(acc_S, sS[None, None, None, 0], wg, wl, lg, lt)
 
-            # ---- epilogue of the segment ----
-            split = mNumSplits[b] != 1
-            slot = mSplitOffset[b] + cta - mReqFirstCta[b]
-            if ssub == 0:
-                inv_l = Float32(0.0)
-                lse = -Float32.inf
-                if row_sum > Float32(0.0):
-                    inv_l = k_scale / (row_sum * P_SCALE)
-                    lse = (row_max + cute.math.log2(row_sum, fastmath=True)) * LN2
-                sInvL[srow] = inv_l
-                if srow_g < R:
-                    if split:
-                        mPLse[srow_g, slot] = lse
-                    else:
-                        mLse[srow_g, b] = lse
-            cute.arch.barrier()
-            # lane (g, t) of warp wl holds, per tile t and row 8j + 2 lt + e, the dims (d0 + 2 lg, d0 + 2 lg + 1):
-            # one 8-byte (fp32) or 4-byte (bf16) store each.
+                # Software pipeline: iteration ci issues S^T of chunk ci + 1 on the tensor cores, runs the softmax
+                # of chunk ci (its S^T partials are in sS[ci % 2]) meanwhile, then P.V of chunk ci; two CTA
+                # barriers per chunk instead of three.
+                for ci in range(n_chunks):
+                    stage = ci % NS
+                    chunk_tok0 = tok_begin + ci * C
+                    cute.arch.cp_async_wait_group(NS - 3)  # chunk ci + 1 landed
+                    fence_proxy_async_smem()  # this thread's cp.async / zero-fill bytes -> visible to wgmma
+                    # chunk ci + 1 landed; S^T(ci) partials written; P.V of chunk ci - 1 is done with its stage, sP
+                    cute.arch.barrier()
+                    if ci + NS - 1 < n_chunks:
+                        self._load_chunk(mKV, atom_cp_async, sRing, zero16, next_page, chunk_tok0 + (NS - 1) * C,
+                                         tok_end, (ci + NS - 1) % NS, tidx)
+                    cute.arch.cp_async_commit_group()
+                    next_page = self._lookup_page(mBT, b, chunk_tok0 + NS * C, tok_end, tidx)
+                    stage_addr = ring_addr + stage * (C * 128 * KV_BLOCKS)
+                    if ci + 1 < n_chunks:
+                        self._issue_s(acc_S, ring_addr, q_addr, (ci + 1) % NS, wg * KSTEPS, KSTEPS)
+
+                    row_max, row_sum, alpha = self._softmax_chunk(
+                        sS[None, None, None, ci % 2], sPw, row_max, row_sum, chunk_tok0, row_end, scale_log2, srow,
+                        ssub)
+                    if ssub == 0:
+                        sAlpha[srow] = alpha
+                    cute.arch.barrier()
+
+                    self._rescale_o(acc_O, sAlpha, lt)
+                    self._issue_pv(acc_O, stage_addr, p_addr, 0, wg * 4, wl, lane)
+                    wgmma_wait(0)  # P.V of chunk ci and S^T of chunk ci + 1
+                    for i in cutlass.range_constexpr(4 * NA):
+                        acc_O[i] = fence_operand(acc_O[i])
+                    if ci + 1 < n_chunks:
+                        self._store_s(acc_S, sS[None, None, None, (ci + 1) % 2], wg, wl, lg, lt)
+
+                cute.arch.cp_async_wait_group(0)
+                if ssub == 0:
+                    self._finish_row(row_max, row_sum, k_scale, sInvL, mLse, mPLse, srow, srow_g, b, split, slot)
+                cute.arch.barrier()
+
+            # ---- this thread's output rows: lane (g, t) of warp wl holds, per tile and row 8j + 2 lt + e, the dims
+            # (d0 + 2 lg, d0 + 2 lg + 1): one 8-byte (fp32) or 4-byte (bf16) store each. Ping-pong: warpgroup wg
+            # writes dims [256 wg, 256 wg + 256), like the split schedule. ----
             o2 = cute.make_rmem_tensor(cute.make_layout((2,)), Float32)
             o2_bf16 = cute.make_rmem_tensor(cute.make_layout((2,)), BF16)
             for j in cutlass.range_constexpr(ROWS // 8):
@@ -487,31 +557,41 @@ class MLADecodeSM90:
                     orow = 8 * j + 2 * lt + e
                     if row0 + orow < R:
                         inv = sInvL[orow]
-                        for t in cutlass.range_constexpr(4):
-                            o2[0] = acc_O[t * NA + 4 * j + e] * inv
-                            o2[1] = acc_O[t * NA + 4 * j + 2 + e] * inv
-                            pair = (wg * 4 + t) * 32 + wl * 8 + lg  # dims [2 pair, 2 pair + 2)
-                            if split:
-                                cute.autovec_copy(o2, cute.local_tile(mPOut[None, row0 + orow, slot], (2,), (pair,)))
+                        for t in cutlass.range_constexpr(num_o_tiles):
+                            if cutlass.const_expr(self.pingpong):
+                                own = t // 4 == wg
+                                tile = t
                             else:
-                                o2_bf16.store(o2.load().to(BF16))
-                                cute.autovec_copy(o2_bf16, cute.local_tile(mOut[None, row0 + orow, b], (2,), (pair,)))
-            cute.arch.barrier()  # sInvL and sQ are reused by the next segment
+                                own = True
+                                tile = wg * 4 + t
+                            if own:
+                                o2[0] = acc_O[t * NA + 4 * j + e] * inv
+                                o2[1] = acc_O[t * NA + 4 * j + 2 + e] * inv
+                                pair = tile * 32 + wl * 8 + lg  # dims [2 pair, 2 pair + 2)
+                                if split:
+                                    cute.autovec_copy(o2, cute.local_tile(mPOut[None, row0 + orow, slot], (2,),
+                                                                          (pair,)))
+                                else:
+                                    o2_bf16.store(o2.load().to(BF16))
+                                    cute.autovec_copy(o2_bf16, cute.local_tile(mOut[None, row0 + orow, b], (2,),
+                                                                               (pair,)))
+            cute.arch.barrier()  # sInvL, sQ (and, ping-pong, sML and the ring) are reused by the next segment
 
             g = seg_end
             b = b + 1
 
     # ------------------------------------------------------------------------------------------------
     @cute.jit
-    def _issue_s(self, acc_S: cute.Tensor, ring_addr: Int32, q_addr: Int32, stage: Int32, wg: Int32):
-        """Issue (and commit, not wait for) S^T = K.Q^T of the chunk in `stage` over warpgroup wg's 9 k32 steps."""
+    def _issue_s(self, acc_S: cute.Tensor, ring_addr: Int32, q_addr: Int32, stage: Int32, k0: Int32,
+                 ksteps: cutlass.Constexpr):
+        """Issue (and commit, not wait for) S^T = K.Q^T of the chunk in `stage` over the k32 steps
+        [k0, k0 + ksteps) of the 576 bytes."""
         C = self.chunk
         ROWS = self.rows
-        KSTEPS = KV_DIM // 32 // S_K_GROUPS
         stage_addr = ring_addr + stage * (C * 128 * KV_BLOCKS)
         wgmma_fence()
-        for kk in cutlass.range_constexpr(KSTEPS):
-            ks = wg * KSTEPS + kk
+        for kk in cutlass.range_constexpr(ksteps):
+            ks = k0 + kk
             kb = ks // 4
             koff = (ks % 4) * 32
             d = wgmma_ss_e4m3(stage_addr + kb * (C * 128) + koff, q_addr + kb * (ROWS * 128) + koff,
@@ -521,8 +601,8 @@ class MLADecodeSM90:
         wgmma_commit()
 
     @cute.jit
-    def _store_s(self, acc_S: cute.Tensor, sS: cute.Tensor, buf: Int32, wg: Int32, wl: Int32, lg: Int32, lt: Int32):
-        """Write this warpgroup's S^T partial (after wgmma_wait) to sS[..., wg, buf]:
+    def _store_s(self, acc_S: cute.Tensor, sS_chunk: cute.Tensor, part: Int32, wl: Int32, lg: Int32, lt: Int32):
+        """Write a warpgroup's S^T (partial) after wgmma_wait to sS_chunk[..., part] (row, token, part):
         acc_S[4i + 0/1] = (token 16 wl + lg, rows 8i + 2 lt + 0/1), [4i + 2/3] = token + 8."""
         ROWS = self.rows
         for i in cutlass.range_constexpr(ROWS // 2):
@@ -530,10 +610,70 @@ class MLADecodeSM90:
         for i in cutlass.range_constexpr(ROWS // 8):
             tok = wl * 16 + lg
             r = i * 8 + 2 * lt
-            sS[r, tok, wg, buf] = acc_S[4 * i + 0]
-            sS[r + 1, tok, wg, buf] = acc_S[4 * i + 1]
-            sS[r, tok + 8, wg, buf] = acc_S[4 * i + 2]
-            sS[r + 1, tok + 8, wg, buf] = acc_S[4 * i + 3]
+            sS_chunk[r, tok, part] = acc_S[4 * i + 0]
+            sS_chunk[r + 1, tok, part] = acc_S[4 * i + 1]
+            sS_chunk[r, tok + 8, part] = acc_S[4 * i + 2]
+            sS_chunk[r + 1, tok + 8, part] = acc_S[4 * i + 3]
+
+    @cute.jit
+    def _rescale_o(self, acc_O: cute.Tensor, sAlpha: cute.Tensor, lt: Int32):
+        """O^T *= alpha of each row: acc_O[t * NA + 4j + e] = (dim d0 + 2 lg, row 8j + 2 lt + e),
+        [.. + 2 + e] = (dim + 1, same row)."""
+        ROWS = self.rows
+        NA = ROWS // 2
+        for j in cutlass.range_constexpr(ROWS // 8):
+            for e in cutlass.range_constexpr(2):
+                al = sAlpha[8 * j + 2 * lt + e]
+                for t in cutlass.range_constexpr(cute.size(acc_O) // NA):
+                    acc_O[t * NA + 4 * j + e] = acc_O[t * NA + 4 * j + e] * al
+                    acc_O[t * NA + 4 * j + 2 + e] = acc_O[t * NA + 4 * j + 2 + e] * al
+
+    @cute.jit
+    def _issue_pv(self, acc_O: cute.Tensor, stage_addr: Int32, p_addr: Int32, acc_tile0: cutlass.Constexpr,
+                  dim_tile0: Int32, wl: Int32, lane: Int32):
+        """Issue (and commit) O^T += V^T.P^T for 4 m64 tiles of dims: accumulator tiles [acc_tile0, + 4) are the
+        dim tiles [dim_tile0, + 4). All A registers first (32 per thread), then one fence and 16 back-to-back
+        wgmmas (2 k32 steps x the hi and lo planes of P)."""
+        C = self.chunk
+        ROWS = self.rows
+        NA = ROWS // 2
+        a_regs = []
+        for t in cutlass.range_constexpr(4):
+            tile = dim_tile0 + t
+            piece = ((tile % 2) * 4 + wl) ^ (lane % 8)
+            v_addr = stage_addr + (tile // 2) * (C * 128) + lane * 128 + piece * 16
+            for ks in cutlass.range_constexpr(C // 32):
+                m = ldmatrix_x4(v_addr + ks * 32 * 128, True)
+                a_regs.append((prmt(m[0], m[1], 0x6420), prmt(m[0], m[1], 0x7531),
+                               prmt(m[2], m[3], 0x6420), prmt(m[2], m[3], 0x7531)))
+        wgmma_fence()
+        for t in cutlass.range_constexpr(4):
+            at = acc_tile0 + t
+            for ks in cutlass.range_constexpr(C // 32):
+                for plane in cutlass.range_constexpr(2):
+                    d = wgmma_rs_e4m3(a_regs[t * (C // 32) + ks], p_addr + plane * (ROWS * 64) + ks * 2 * P_LBO,
+                                      P_LBO, P_SBO, [acc_O[at * NA + i] for i in range(NA)])
+                    for i in cutlass.range_constexpr(NA):
+                        acc_O[at * NA + i] = d[i]
+        wgmma_commit()
+
+    @cute.jit
+    def _finish_row(self, m: Float32, l: Float32, k_scale: Float32, sInvL: cute.Tensor, mLse: cute.Tensor,
+                    mPLse: cute.Tensor, srow: Int32, srow_g: Int32, b: Int32, split, slot: Int32):
+        """A row's final max m and sum l (base 2, P scaled by P_SCALE): its output scale into sInvL and its
+        natural-log lse into lse (single split) or the partial lse of its workspace slot. No KV: lse -inf,
+        output 0."""
+        inv_l = Float32(0.0)
+        lse = -Float32.inf
+        if l > Float32(0.0):
+            inv_l = k_scale / (l * P_SCALE)
+            lse = (m + cute.math.log2(l, fastmath=True)) * LN2
+        sInvL[srow] = inv_l
+        if srow_g < self.num_rows:
+            if split:
+                mPLse[srow_g, slot] = lse
+            else:
+                mLse[srow_g, b] = lse
 
     @cute.jit
     def _lookup_page(self, mBT: cute.Tensor, b: Int32, tok0: Int32, tok_end: Int32, tidx: Int32) -> Int32:
@@ -547,15 +687,17 @@ class MLADecodeSM90:
 
     @cute.jit
     def _load_chunk(self, mKV: cute.Tensor, atom_cp_async: cute.CopyAtom, sRing: cute.Tensor, zero16: cute.Tensor,
-                    page: Int32, tok0: Int32, tok_end: Int32, stage: Int32, tidx: Int32):
-        """cp.async the tokens [tok0, tok0 + C) of a request (this thread's token on `page`) into ring stage
-        `stage`; tokens >= tok_end are zero-filled in shared memory.
+                    page: Int32, tok0: Int32, tok_end: Int32, stage: Int32, tidx: Int32,
+                    token_offset: cutlass.Constexpr = 0):
+        """cp.async this thread's share of the chunk [tok0, tok0 + C) of a request into ring stage `stage`: token
+        tidx / 4 + token_offset of the chunk (on `page`), zero-filled in shared memory if >= tok_end.
 
-        Thread t copies token t / 4, 16-byte pieces t % 4 + 4i (i < 9): addresses that differ by constants (no
-        per-piece address registers), and per instruction 64 contiguous bytes of each of a warp's 8 tokens."""
+        Thread t copies 16-byte pieces t % 4 + 4i (i < 9): addresses that differ by constants (no per-piece
+        address registers), and per instruction 64 contiguous bytes of each of a warp's 8 tokens. All 256
+        threads cover a chunk; one warpgroup (ping-pong) covers it with token_offset 0 and C / 2."""
         P = self.page_size
         PIECES = KV_DIM // 16
-        n = tidx // 4
+        n = tidx // 4 + token_offset
         tok = tok0 + n
         if tok < tok_end:
             for i in cutlass.range_constexpr(PIECES // 4):
@@ -564,6 +706,49 @@ class MLADecodeSM90:
         else:
             for i in cutlass.range_constexpr(PIECES // 4):
                 cute.autovec_copy(zero16, sRing[None, tidx % 4 + 4 * i, n, stage])
+
+    @cute.jit
+    def _softmax_chunk(self, sS_chunk: cute.Tensor, sPw_buf: cute.Tensor, row_max: Float32, row_sum: Float32,
+                       chunk_tok0: Int32, row_end: Int32, scale_log2: Float32, srow: Int32, ssub: Int32):
+        """Online softmax of one chunk for the row this thread shares with TPR - 1 others: S^T from sS_chunk
+        (row, token, partial: the partials are summed), P as hi/lo e4m3 words w = ssub + TPR*i (tokens
+        pi(4w .. 4w + 3)) into sPw_buf (word, row, plane), tokens >= row_end masked. Returns the new running max
+        and sum and the factor alpha that rescales the output accumulated so far. Fences P for the wgmma."""
+        TPR = self.tpr
+        WPT = self.words_per_thread
+        parts = cute.size(sS_chunk, mode=[2])
+        vals = cute.make_rmem_tensor(cute.make_layout((4 * WPT,)), Float32)
+        cmax = -Float32.inf
+        for i in cutlass.range_constexpr(WPT):
+            w = ssub + TPR * i
+            n0 = (w // 4) * 16 + (w % 4) * 2  # tokens n0, n0 + 1, n0 + 8, n0 + 9 (the pi order)
+            for j in cutlass.range_constexpr(4):
+                n = n0 + (j // 2) * 8 + j % 2
+                if cutlass.const_expr(parts == 2):
+                    s = (sS_chunk[srow, n, 0] + sS_chunk[srow, n, 1]) * scale_log2
+                else:
+                    s = sS_chunk[srow, n, 0] * scale_log2
+                if chunk_tok0 + n >= row_end:
+                    s = -Float32.inf
+                vals[4 * i + j] = s
+                cmax = cute.arch.fmax(cmax, s)
+        cmax = self._row_allreduce(cmax, True)
+        new_max = cute.arch.fmax(row_max, cmax)
+        use_max = new_max
+        if new_max == -Float32.inf:
+            use_max = Float32(0.0)
+        alpha = cute.math.exp2(row_max - use_max, fastmath=True)
+        csum = Float32(0.0)
+        for i in cutlass.range_constexpr(WPT):
+            w = ssub + TPR * i
+            pv = [cute.math.exp2(vals[4 * i + j] - use_max, fastmath=True) for j in range(4)]
+            csum = csum + (pv[0] + pv[1]) + (pv[2] + pv[3])
+            hi, lo = quantize_p_hi_lo(pv[0] * P_SCALE, pv[1] * P_SCALE, pv[2] * P_SCALE, pv[3] * P_SCALE)
+            sPw_buf[w, srow, 0] = hi
+            sPw_buf[w, srow, 1] = lo
+        fence_proxy_async_smem()  # P is a wgmma operand
+        csum = self._row_allreduce(csum, False)
+        return new_max, row_sum * alpha + csum, alpha
 
     @cute.jit
     def _row_allreduce(self, val: Float32, is_max: cutlass.Constexpr) -> Float32:
@@ -584,21 +769,24 @@ class MLADecodeSM90:
 _COMPILED = {}
 
 
-def _static_key(num_heads, q_len, page_size, tile_tokens, causal, rows_per_block, num_stages, arch):
+def _static_key(num_heads, q_len, page_size, tile_tokens, causal, rows_per_block, num_stages, pingpong, arch):
     rows = rows_per_block or default_rows_per_block(num_heads, q_len)
+    if pingpong is None:
+        pingpong = rows == 16 and num_stages == 4
     return (int(num_heads), int(q_len), int(page_size), int(tile_tokens), bool(causal), int(rows),
-            int(num_stages), arch)
+            int(num_stages), bool(pingpong), arch)
 
 
 def compile_decode_sm90(num_heads: int, q_len: int, page_size: int, tile_tokens: int = 64, causal: bool = True,
-                        rows_per_block: Optional[int] = None, num_stages: int = 4, arch: str = "sm_90a"):
+                        rows_per_block: Optional[int] = None, num_stages: int = 4, pingpong: Optional[bool] = None,
+                        arch: str = "sm_90a"):
     """Compile (once per static key) and return the kernel's launcher function.
 
     Works without a GPU: all runtime values (pointers, batch, num_pages, strides, num_ctas, num_slots,
     softmax_scale, stream) are runtime arguments of the compiled function, so one compile serves every batch
     size / cache size / plan size. `arch` is passed to the compiler (`--gpu-arch`).
     """
-    key = _static_key(num_heads, q_len, page_size, tile_tokens, causal, rows_per_block, num_stages, arch)
+    key = _static_key(num_heads, q_len, page_size, tile_tokens, causal, rows_per_block, num_stages, pingpong, arch)
     fn = _COMPILED.get(key)
     if fn is not None:
         return fn
@@ -606,7 +794,7 @@ def compile_decode_sm90(num_heads: int, q_len: int, page_size: int, tile_tokens:
     from cutlass.cute.runtime import make_ptr
 
     op = MLADecodeSM90(num_heads, q_len, page_size, tile_tokens, causal, rows_per_block=key[5],
-                       num_stages=num_stages)
+                       num_stages=num_stages, pingpong=key[7])
     gmem = cute.AddressSpace.gmem
     base = 1 << 20
 
@@ -638,7 +826,7 @@ def _plan_tensors(plan):
 
 def run_decode_sm90(q, kv_cache, block_table, seq_lens, softmax_scale, q_scale, k_scale, plan, out, lse,
                     partial_out, partial_lse, *, causal: bool = True, stream=None, tile_tokens: Optional[int] = None,
-                    rows_per_block: Optional[int] = None):
+                    rows_per_block: Optional[int] = None, pingpong: Optional[bool] = None):
     """Launch the split-KV decode on torch CUDA tensors (no host sync, no allocation: CUDA-graph safe).
 
     q fp8 [B, q_len, H, 576] contiguous; kv_cache fp8 [num_pages, page_size, 576] (or [.., 1, 576]) with
@@ -666,7 +854,7 @@ def run_decode_sm90(q, kv_cache, block_table, seq_lens, softmax_scale, q_scale, 
     if not (q.is_contiguous() and out.is_contiguous() and lse.is_contiguous() and partial_out.is_contiguous()
             and partial_lse.is_contiguous()):
         raise ValueError("q, out, lse, partial_out and partial_lse must be contiguous")
-    fn = compile_decode_sm90(num_heads, q_len, page_size, tile, causal, rows_per_block)
+    fn = compile_decode_sm90(num_heads, q_len, page_size, tile, causal, rows_per_block, pingpong=pingpong)
     num_ctas = cta_first_request.shape[0]
     max_batch = num_splits.shape[0]
     num_slots = partial_lse.shape[0]

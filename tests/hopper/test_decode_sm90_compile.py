@@ -46,6 +46,18 @@ def test_compiles(num_heads, q_len, page_size, tile_tokens, causal):
                                causal=causal, arch="sm_90a") is fn
 
 
+def test_pingpong_is_the_16_row_default_and_needs_16_rows():
+    from mla_backend.hopper.decode_sm90 import MLADecodeSM90, compile_decode_sm90
+
+    assert MLADecodeSM90(12, 1, 32).pingpong and MLADecodeSM90(8, 2, 64).pingpong
+    assert not MLADecodeSM90(16, 2, 32).pingpong  # 32 rows
+    assert not MLADecodeSM90(12, 1, 32, pingpong=False).pingpong
+    with pytest.raises(ValueError, match="16-row"):
+        MLADecodeSM90(16, 2, 32, pingpong=True)
+    fn = compile_decode_sm90(12, 1, 32, pingpong=False, arch="sm_90a")
+    assert fn.decode_op.pingpong is False and compile_decode_sm90(12, 1, 32, arch="sm_90a") is not fn
+
+
 _PTX_SCRIPT = """
 import sys
 sys.path.insert(0, {repo!r})
@@ -93,18 +105,20 @@ def _merge_kernel_outputs(plan, seq_lens, out, lse, partial_out, partial_lse):
 
 
 GPU_CASES = [
-    # (num_heads, q_len, page_size, tile_tokens, causal, lengths, num_ctas)
-    (12, 1, 32, 64, True, [1, 31, 32, 33, 65, 700, 4000, 130], 16),
-    (16, 2, 64, 64, True, [2, 63, 64, 65, 129, 3000, 17, 900], 12),
-    (128, 8, 32, 64, True, [8, 100, 1000], 8),
-    (8, 1, 64, 64, False, [0, 1, 64, 2000, 0, 333], 7),
-    (16, 4, 64, 32, True, [4, 5, 64, 1500, 77], 9),
+    # (num_heads, q_len, page_size, tile_tokens, causal, lengths, num_ctas, pingpong)
+    (12, 1, 32, 64, True, [1, 31, 32, 33, 65, 700, 4000, 130], 16, None),
+    (12, 1, 32, 64, True, [1, 31, 32, 33, 65, 700, 4000, 130], 16, False),  # 16 rows, both warpgroups per chunk
+    (8, 2, 64, 32, True, [2, 63, 64, 65, 129, 3000, 17, 900, 0], 11, None),
+    (16, 2, 64, 64, True, [2, 63, 64, 65, 129, 3000, 17, 900], 12, None),
+    (128, 8, 32, 64, True, [8, 100, 1000], 8, None),
+    (8, 1, 64, 64, False, [0, 1, 64, 2000, 0, 333], 7, None),
+    (16, 4, 64, 32, True, [4, 5, 64, 1500, 77], 9, None),
 ]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("num_heads,q_len,page_size,tile_tokens,causal,lengths,num_ctas", GPU_CASES)
-def test_matches_reference_gpu(num_heads, q_len, page_size, tile_tokens, causal, lengths, num_ctas):
+@pytest.mark.parametrize("num_heads,q_len,page_size,tile_tokens,causal,lengths,num_ctas,pingpong", GPU_CASES)
+def test_matches_reference_gpu(num_heads, q_len, page_size, tile_tokens, causal, lengths, num_ctas, pingpong):
     sys.path.insert(0, os.path.join(REPO, "tests"))
     from mla_inputs import make_decode_inputs
 
@@ -124,7 +138,7 @@ def test_matches_reference_gpu(num_heads, q_len, page_size, tile_tokens, causal,
     partial_out = torch.full((plan.num_slots, q_len, num_heads, 512), float("nan"), device=dev)
     partial_lse = torch.full((plan.num_slots, q_len, num_heads), float("nan"), device=dev)
     run_decode_sm90(q, kv, bt, seq, softmax_scale, qs, ks, plan, out, lse, partial_out, partial_lse,
-                    causal=causal)
+                    causal=causal, pingpong=pingpong)
     torch.cuda.synchronize()
     got_out, got_lse = _merge_kernel_outputs(plan, seq, out, lse, partial_out, partial_lse)
     ref_out, ref_lse = mla_decode_reference(q, kv, bt, seq, softmax_scale=softmax_scale, q_scale=qs, k_scale=ks,
