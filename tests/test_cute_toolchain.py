@@ -9,7 +9,10 @@ import textwrap
 def test_cute_dsl_compiles_an_sm90a_kernel_without_a_gpu(tmp_path):
     script = textwrap.dedent("""
         import cutlass, cutlass.cute as cute
-        from mla_backend.hopper.cute_utils import fake_tensor
+        from cutlass.cute.runtime import make_fake_compact_tensor
+
+        def fake_tensor(dtype, shape):
+            return make_fake_compact_tensor(dtype, shape, stride_order=(0,), assumed_align=16)
 
         @cute.kernel
         def dequant_kernel(x: cute.Tensor, y: cute.Tensor, scale: cutlass.Float32):

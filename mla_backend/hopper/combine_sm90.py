@@ -26,7 +26,7 @@ import cutlass.cute as cute
 import torch
 
 from ..shapes import LATENT_DIM
-from .cute_utils import cuda_stream, fake_stream, fake_tensor, to_cute
+from .cute_utils import cuda_stream, gmem_ptr
 
 LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
@@ -44,12 +44,21 @@ class CombineSplitsSM90:
         self.rows = rows
 
     @cute.jit
-    def __call__(self, partial_out: cute.Tensor, partial_lse: cute.Tensor, out: cute.Tensor, lse: cute.Tensor,
-                 num_splits: cute.Tensor, split_offset: cute.Tensor, stream):
-        # partial_out [slots, rows, 512] f32, partial_lse [slots, rows] f32, out [batch, rows, 512] bf16,
-        # lse [batch, rows] f32, num_splits / split_offset [max_batch >= batch] i32.
+    def __call__(self, p_partial_out: cute.Pointer, p_partial_lse: cute.Pointer, p_out: cute.Pointer,
+                 p_lse: cute.Pointer, p_num_splits: cute.Pointer, p_split_offset: cute.Pointer, batch: cutlass.Int32,
+                 num_slots: cutlass.Int32, max_batch: cutlass.Int32, stream):
+        # Raw pointers plus the outer extents, not framework tensors: converting six torch tensors per call
+        # cost tens of microseconds of host time in eager use. The inner strides stay compile-time constants.
+        R = self.rows
+        partial_out = cute.make_tensor(p_partial_out, cute.make_layout((num_slots, R, LATENT_DIM),
+                                                                       stride=(R * LATENT_DIM, LATENT_DIM, 1)))
+        partial_lse = cute.make_tensor(p_partial_lse, cute.make_layout((num_slots, R), stride=(R, 1)))
+        out = cute.make_tensor(p_out, cute.make_layout((batch, R, LATENT_DIM), stride=(R * LATENT_DIM, LATENT_DIM, 1)))
+        lse = cute.make_tensor(p_lse, cute.make_layout((batch, R), stride=(R, 1)))
+        num_splits = cute.make_tensor(p_num_splits, cute.make_layout((max_batch,)))
+        split_offset = cute.make_tensor(p_split_offset, cute.make_layout((max_batch,)))
         self.kernel(partial_out, partial_lse, out, lse, num_splits, split_offset).launch(
-            grid=[out.shape[0], self.rows, 1], block=[THREADS, 1, 1], stream=stream)
+            grid=[batch, R, 1], block=[THREADS, 1, 1], stream=stream)
 
     @cute.jit
     def _block_reduce(self, value: cutlass.Float32, scratch: cute.Tensor, warp, lane, is_max: cutlass.Constexpr):
@@ -147,30 +156,23 @@ class CombineSplitsSM90:
 _compiled = {}
 
 
-def compile_combine_sm90(rows: int, example=None):
-    """The compiled combine for `rows` query rows per request, cached by that static key.
-
-    `example` is the argument tuple of a first call; without it the kernel is compiled from fake tensors
-    (no GPU needed).
-    """
+def compile_combine_sm90(rows: int):
+    """The compiled combine for `rows` query rows per request, cached by that static key. Every run-time value
+    (pointers, batch, slots, plan size, stream) is an argument, so this compiles without a GPU."""
     if rows not in _compiled:
-        if example is None:
-            example = _fake_args(rows)
-        _compiled[rows] = cute.compile(CombineSplitsSM90(rows), *example)
+        args = (gmem_ptr(cutlass.Float32, 16), gmem_ptr(cutlass.Float32, 4), gmem_ptr(cutlass.BFloat16, 16),
+                gmem_ptr(cutlass.Float32, 4), gmem_ptr(cutlass.Int32, 4), gmem_ptr(cutlass.Int32, 4),
+                cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(1), cuda_stream())
+        _compiled[rows] = cute.compile(CombineSplitsSM90(rows), *args)
     return _compiled[rows]
-
-
-def _fake_args(rows: int):
-    slots, batch, max_batch = cute.sym_int(), cute.sym_int(), cute.sym_int()
-    return (fake_tensor(cutlass.Float32, (slots, rows, LATENT_DIM)), fake_tensor(cutlass.Float32, (slots, rows)),
-            fake_tensor(cutlass.BFloat16, (batch, rows, LATENT_DIM)), fake_tensor(cutlass.Float32, (batch, rows)),
-            fake_tensor(cutlass.Int32, (max_batch,), align=4), fake_tensor(cutlass.Int32, (max_batch,), align=4),
-            fake_stream())
 
 
 def run_combine_sm90(plan, partial_out: torch.Tensor, partial_lse: torch.Tensor, out: torch.Tensor,
                      lse: torch.Tensor, stream: torch.cuda.Stream):
-    """Merge the partials of every split request into `out` (bf16) and `lse` (natural log)."""
+    """Merge the partials of every split request into `out` (bf16) and `lse` (natural log).
+
+    partial_out fp32 [slots, q_len, H, 512], partial_lse fp32 [slots, q_len, H], out bf16 [batch, q_len, H, 512],
+    lse fp32 [batch, q_len, H], all contiguous; the plan's num_splits / split_offset int32 [max_batch >= batch]."""
     batch, q_len, heads, _ = out.shape
     rows = q_len * heads
     if batch == 0:
@@ -178,7 +180,15 @@ def run_combine_sm90(plan, partial_out: torch.Tensor, partial_lse: torch.Tensor,
     if plan.num_ctas > MAX_SPLITS:
         raise ValueError(f"the combine kernel merges at most {MAX_SPLITS} splits per request; "
                          f"the plan has {plan.num_ctas} CTAs")
-    args = (to_cute(partial_out.view(-1, rows, LATENT_DIM)), to_cute(partial_lse.view(-1, rows)),
-            to_cute(out.view(batch, rows, LATENT_DIM)), to_cute(lse.view(batch, rows)),
-            to_cute(plan.num_splits, align=4), to_cute(plan.split_offset, align=4), cuda_stream(stream))
-    compile_combine_sm90(rows, args)(*args)
+    tensors = (partial_out, partial_lse, out, lse, plan.num_splits, plan.split_offset)
+    if not all(t.is_contiguous() for t in tensors):
+        raise ValueError("partial_out, partial_lse, out, lse and the plan's tensors must be contiguous")
+    if partial_out.data_ptr() % 16 or out.data_ptr() % 16:
+        raise ValueError("partial_out and out must be 16-byte aligned")
+    fn = compile_combine_sm90(rows)
+    fn(gmem_ptr(cutlass.Float32, 16, partial_out.data_ptr()), gmem_ptr(cutlass.Float32, 4, partial_lse.data_ptr()),
+       gmem_ptr(cutlass.BFloat16, 16, out.data_ptr()), gmem_ptr(cutlass.Float32, 4, lse.data_ptr()),
+       gmem_ptr(cutlass.Int32, 4, plan.num_splits.data_ptr()),
+       gmem_ptr(cutlass.Int32, 4, plan.split_offset.data_ptr()), cutlass.Int32(batch),
+       cutlass.Int32(max(partial_lse.numel() // rows, 1)), cutlass.Int32(plan.num_splits.shape[0]),
+       cuda_stream(stream))

@@ -1,36 +1,26 @@
-"""Torch <-> CuTe DSL tensor conversion shared by the SM90 kernels.
+"""Torch -> CuTe DSL launch arguments shared by the SM90 launchers.
 
-Kernels are compiled with every dimension static except the outer (batch-like) one, so inner strides are
-compile-time constants: that is what lets the compiler prove 16-byte alignment and emit vector accesses.
-`fake_tensor` builds the compile-time stand-in (no GPU needed), `to_cute` the run-time argument; both give
-the same type, so one compiled kernel serves every batch size.
+The kernels take raw global-memory pointers plus their run-time extents, never framework tensors: converting a
+torch tensor (DLPack) costs microseconds of host time each, several per call, which eager callers pay on every
+step. Compilation uses the same pointer type at a dummy address, so it needs no GPU.
 """
 
 from __future__ import annotations
 
 import cutlass.cute as cute
-import torch
-from cutlass.cute.runtime import from_dlpack, make_fake_compact_tensor
+
+_COMPILE_ADDRESS = 1 << 20  # any aligned address: only the pointer's type and alignment are compiled in
 
 
-def fake_tensor(dtype, shape, align: int = 16):
-    """A row-major fake tensor; pass cute.sym_int() for the outer dimension to keep it dynamic."""
-    return make_fake_compact_tensor(dtype, tuple(shape), stride_order=tuple(reversed(range(len(shape)))),
-                                    assumed_align=align)
+def gmem_ptr(dtype, align: int, address: int = _COMPILE_ADDRESS):
+    """A global-memory pointer of `dtype` that the kernel may assume `align`-byte aligned."""
+    from cutlass.cute.runtime import make_ptr
+
+    return make_ptr(dtype, address, cute.AddressSpace.gmem, assumed_align=align)
 
 
-def to_cute(t: torch.Tensor, align: int = 16):
-    """A contiguous torch tensor as a CuTe tensor whose outer dimension alone is dynamic."""
-    return from_dlpack(t.detach(), assumed_align=align).mark_compact_shape_dynamic(mode=0)
-
-
-def cuda_stream(stream: torch.cuda.Stream):
+def cuda_stream(stream=None):
+    """The CUstream of a torch.cuda.Stream (None: the null stream, for compilation)."""
     import cuda.bindings.driver as cuda
 
-    return cuda.CUstream(stream.cuda_stream)
-
-
-def fake_stream():
-    import cuda.bindings.driver as cuda
-
-    return cuda.CUstream(0)
+    return cuda.CUstream(0 if stream is None else stream.cuda_stream)

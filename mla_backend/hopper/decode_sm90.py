@@ -79,6 +79,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync
 
+from .cute_utils import cuda_stream, gmem_ptr
 from .warp_fp8 import (fence_operand, fence_proxy_async_smem, ldmatrix_x4, prmt, quantize_p_hi_lo,
                        wgmma_commit, wgmma_fence, wgmma_rs_e4m3, wgmma_ss_e4m3, wgmma_wait)
 
@@ -794,23 +795,15 @@ def compile_decode_sm90(num_heads: int, q_len: int, page_size: int, tile_tokens:
     fn = _COMPILED.get(key)
     if fn is not None:
         return fn
-    import cuda.bindings.driver as cuda
-    from cutlass.cute.runtime import make_ptr
-
     op = MLADecodeSM90(num_heads, q_len, page_size, tile_tokens, causal, rows_per_block=key[5],
                        num_stages=num_stages, pingpong=key[7])
-    gmem = cute.AddressSpace.gmem
-    base = 1 << 20
-
-    def ptr(dtype, align):
-        return make_ptr(dtype, base, gmem, assumed_align=align)
-
+    ptr = gmem_ptr
     args = (
         ptr(FP8, 16), ptr(FP8, 16), ptr(Int32, 4), ptr(Int32, 4), ptr(Float32, 4), ptr(Float32, 4),
         ptr(Int32, 4), ptr(Int32, 4), ptr(Int32, 4), ptr(Int32, 4), ptr(Int32, 4), ptr(Int32, 4),
         ptr(BF16, 16), ptr(Float32, 4), ptr(Float32, 16), ptr(Float32, 4),
         Int32(1), Int32(1), Int32(1), Int32(1), Int32(1), Int32(1), Int32(1), Float32(1.0),
-        cuda.CUstream(0),
+        cuda_stream(),
     )
     options = f"--gpu-arch {arch}" if arch else None
     if options:
@@ -841,8 +834,6 @@ def run_decode_sm90(q, kv_cache, block_table, seq_lens, softmax_scale, q_scale, 
     [num_slots, q_len, H], all contiguous. `stream` is a torch.cuda.Stream (default: the current stream).
     """
     import torch
-    import cuda.bindings.driver as cuda
-    from cutlass.cute.runtime import make_ptr
 
     if kv_cache.dim() == 4:
         kv_cache = kv_cache.squeeze(2)
@@ -864,25 +855,24 @@ def run_decode_sm90(q, kv_cache, block_table, seq_lens, softmax_scale, q_scale, 
     num_slots = partial_lse.shape[0]
     if stream is None:
         stream = torch.cuda.current_stream(q.device)
-    gmem = cute.AddressSpace.gmem
     fn(
-        make_ptr(FP8, q.data_ptr(), gmem, assumed_align=16),
-        make_ptr(FP8, kv_cache.data_ptr(), gmem, assumed_align=16),
-        make_ptr(Int32, block_table.data_ptr(), gmem, assumed_align=4),
-        make_ptr(Int32, seq_lens.data_ptr(), gmem, assumed_align=4),
-        make_ptr(Float32, q_scale.data_ptr(), gmem, assumed_align=4),
-        make_ptr(Float32, k_scale.data_ptr(), gmem, assumed_align=4),
-        make_ptr(Int32, cta_tile_start.data_ptr(), gmem, assumed_align=4),
-        make_ptr(Int32, cta_first_request.data_ptr(), gmem, assumed_align=4),
-        make_ptr(Int32, request_tile_start.data_ptr(), gmem, assumed_align=4),
-        make_ptr(Int32, request_first_cta.data_ptr(), gmem, assumed_align=4),
-        make_ptr(Int32, num_splits.data_ptr(), gmem, assumed_align=4),
-        make_ptr(Int32, split_offset.data_ptr(), gmem, assumed_align=4),
-        make_ptr(BF16, out.data_ptr(), gmem, assumed_align=16),
-        make_ptr(Float32, lse.data_ptr(), gmem, assumed_align=4),
-        make_ptr(Float32, partial_out.data_ptr(), gmem, assumed_align=16),
-        make_ptr(Float32, partial_lse.data_ptr(), gmem, assumed_align=4),
+        gmem_ptr(FP8, 16, q.data_ptr()),
+        gmem_ptr(FP8, 16, kv_cache.data_ptr()),
+        gmem_ptr(Int32, 4, block_table.data_ptr()),
+        gmem_ptr(Int32, 4, seq_lens.data_ptr()),
+        gmem_ptr(Float32, 4, q_scale.data_ptr()),
+        gmem_ptr(Float32, 4, k_scale.data_ptr()),
+        gmem_ptr(Int32, 4, cta_tile_start.data_ptr()),
+        gmem_ptr(Int32, 4, cta_first_request.data_ptr()),
+        gmem_ptr(Int32, 4, request_tile_start.data_ptr()),
+        gmem_ptr(Int32, 4, request_first_cta.data_ptr()),
+        gmem_ptr(Int32, 4, num_splits.data_ptr()),
+        gmem_ptr(Int32, 4, split_offset.data_ptr()),
+        gmem_ptr(BF16, 16, out.data_ptr()),
+        gmem_ptr(Float32, 4, lse.data_ptr()),
+        gmem_ptr(Float32, 16, partial_out.data_ptr()),
+        gmem_ptr(Float32, 4, partial_lse.data_ptr()),
         Int32(batch), Int32(num_pages), Int32(kv_cache.stride(0) // 16), Int32(block_table.stride(0)),
         Int32(num_ctas), Int32(max_batch), Int32(max(num_slots, 1)), Float32(float(softmax_scale)),
-        cuda.CUstream(stream.cuda_stream),
+        cuda_stream(stream),
     )

@@ -19,6 +19,8 @@ import cutlass.memory
 import cutlass.cute as cute
 from cutlass import Int32, Int64
 
+from .cute_utils import cuda_stream, gmem_ptr
+
 THREADS = 512
 WARPS = THREADS // 32
 
@@ -200,26 +202,14 @@ def compile_plan_splits_sm90(max_batch: int, num_ctas: int, tile_tokens: int, se
     """The compiled planner for a plan shape, cached by its static key (no GPU needed to compile)."""
     key = (max_batch, num_ctas, tile_tokens, segment_overhead)
     if key not in _compiled:
-        import cuda.bindings.driver as cuda
-        from cutlass.cute.runtime import make_ptr
-
-        def ptr():
-            return make_ptr(Int32, 1 << 20, cute.AddressSpace.gmem, assumed_align=4)
-
         op = PlanSplitsSM90(*key)
-        _compiled[key] = cute.compile(op, ptr(), ptr(), ptr(), ptr(), ptr(), ptr(), ptr(), Int32(1), cuda.CUstream(0))
+        _compiled[key] = cute.compile(op, *(gmem_ptr(Int32, 4) for _ in range(7)), Int32(1), cuda_stream())
     return _compiled[key]
 
 
 def run_plan_splits_sm90(seq_lens, plan, stream) -> None:
     """Refill `plan` (a SplitPlan on the GPU) from device `seq_lens` (int32 [batch <= max_batch])."""
-    import cuda.bindings.driver as cuda
-    from cutlass.cute.runtime import make_ptr
-
     fn = compile_plan_splits_sm90(plan.max_batch, plan.num_ctas, plan.tile_tokens, plan.segment_overhead)
     seq_lens = seq_lens.contiguous()
-
-    def ptr(t):
-        return make_ptr(Int32, t.data_ptr(), cute.AddressSpace.gmem, assumed_align=4)
-
-    fn(ptr(seq_lens), *(ptr(t) for t in plan.tensors()), Int32(seq_lens.shape[0]), cuda.CUstream(stream.cuda_stream))
+    fn(*(gmem_ptr(Int32, 4, t.data_ptr()) for t in (seq_lens, *plan.tensors())), Int32(seq_lens.shape[0]),
+       cuda_stream(stream))

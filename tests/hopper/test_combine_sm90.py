@@ -5,7 +5,6 @@ import torch
 
 from mla_backend import DecodeWorkspace, plan_splits
 from mla_backend.hopper.combine_sm90 import compile_combine_sm90, run_combine_sm90
-from mla_backend.hopper.cute_utils import to_cute
 from mla_backend.reference import merge_partials
 
 
@@ -14,9 +13,15 @@ def test_combine_compiles_for_sm90a(rows):
     assert compile_combine_sm90(rows) is not None
 
 
-def test_to_cute_keeps_inner_strides_static():
-    t = to_cute(torch.zeros(5, 12, 512))
-    assert "(?,12,512):(6144,512,1)" in str(t)
+def test_launcher_rejects_strided_buffers_before_launching():
+    """The launcher passes raw pointers with compile-time inner strides, so a strided view must be refused."""
+    seq_lens = torch.tensor([50000, 64], dtype=torch.int32)
+    plan = plan_splits(seq_lens, q_len=1, num_heads=12, page_size=32, num_ctas=40)
+    ws = DecodeWorkspace.for_plan(plan, 1, 12)
+    out = torch.zeros(2, 1, 24, 512, dtype=torch.bfloat16)[:, :, ::2]
+    lse = torch.zeros(2, 1, 12)
+    with pytest.raises(ValueError, match="contiguous"):
+        run_combine_sm90(plan, ws.partial_out, ws.partial_lse, out, lse, None)
 
 
 @pytest.mark.gpu
