@@ -8,14 +8,13 @@ step. Compilation uses the same pointer type at a dummy address, so it needs no 
 from __future__ import annotations
 
 import cutlass.cute as cute
+from cutlass.cute.runtime import make_ptr
 
 _COMPILE_ADDRESS = 1 << 20  # any aligned address: only the pointer's type and alignment are compiled in
 
 
 def gmem_ptr(dtype, align: int, address: int = _COMPILE_ADDRESS):
     """A global-memory pointer of `dtype` that the kernel may assume `align`-byte aligned."""
-    from cutlass.cute.runtime import make_ptr
-
     return make_ptr(dtype, address, cute.AddressSpace.gmem, assumed_align=align)
 
 
