@@ -99,16 +99,22 @@ def _decode_cuda(q, kv_cache, block_table, seq_lens, q_scale, k_scale, plan, out
 def mla_decode(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, *, softmax_scale: float,
                q_scale: Tensor, k_scale: Tensor, causal: bool = True, out: Optional[Tensor] = None,
                lse: Optional[Tensor] = None, plan: Optional[SplitPlan] = None,
-               workspace: Optional[DecodeWorkspace] = None) -> Tuple[Tensor, Tensor]:
+               workspace: Optional[DecodeWorkspace] = None, check_values: bool = True) -> Tuple[Tensor, Tensor]:
     """Paged FP8 MLA decode: returns (out bf16 [B, q_len, H, 512], lse float32 [B, q_len, H]).
 
     logits = softmax_scale * q_scale * k_scale * (q . k); out = k_scale * softmax(logits) @ kv[..., :512];
     lse is the natural-log log-sum-exp of the logits. With causal and q_len > 1, query row t of a request of
     length L sees KV positions [0, L - q_len + t]. A row with no KV gets out = 0 and lse = -inf.
+
+    `check_values` (eager calls only) copies seq_lens and the block table to the host and rejects negative
+    lengths, lengths past the block table and page ids outside the cache, with an error naming the argument:
+    a device sync and a copy per call, which engines that trust their own metadata skip (the adapters pass
+    False). Unchecked bad values never make the kernels read out of bounds: a token whose page is past the
+    table's width or outside the cache reads as zeros, and a negative length counts as 0.
     """
     in_graph = torch.compiler.is_compiling() or (q.is_cuda and torch.cuda.is_current_stream_capturing())
     kv = check_decode_args(q, kv_cache, block_table, seq_lens, softmax_scale, q_scale, k_scale, out, lse,
-                           read_values=not in_graph)
+                           read_values=check_values and not in_graph)
     batch, q_len, heads, _ = q.shape
     if out is None:
         out = torch.empty(batch, q_len, heads, LATENT_DIM, dtype=torch.bfloat16, device=q.device)

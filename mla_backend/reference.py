@@ -21,12 +21,22 @@ Tensor = torch.Tensor
 
 
 def gather_request_kv(kv_cache: Tensor, block_table: Tensor, request: int, end: int, first: int = 0) -> Tensor:
-    """KV rows [first, end) of one request, in token order, as fp32 [end - first, 576]."""
-    page_size = kv_cache.shape[1]
-    first_page, end_page = first // page_size, -(-end // page_size)
-    pages = block_table[request, first_page:end_page].long()
-    rows = kv_cache[pages].reshape(-1, KV_DIM)
-    return rows[first - first_page * page_size:end - first_page * page_size].float()
+    """KV rows [first, end) of one request, in token order, as fp32 [end - first, 576].
+
+    A token whose page lies past the block table's width, or whose block-table entry is not a page of the
+    cache, reads as zeros: the kernels never read outside the cache or the table, even for such input inside
+    a CUDA graph, where the op cannot check values (eager calls reject it by default)."""
+    num_pages, page_size = kv_cache.shape[0], kv_cache.shape[1]
+    width = block_table.shape[1]
+    tokens = torch.arange(first, max(first, end), device=kv_cache.device)
+    page_index = tokens // page_size
+    entries = torch.full_like(tokens, -1)
+    in_table = page_index < width
+    if width > 0:
+        entries = torch.where(in_table, block_table[request].long()[page_index.clamp(max=width - 1)], entries)
+    valid = (entries >= 0) & (entries < num_pages)
+    rows = kv_cache[entries.clamp(0, max(num_pages - 1, 0)), tokens % page_size].float()
+    return torch.where(valid[:, None], rows, torch.zeros_like(rows))
 
 
 def visible_tokens(length: int, q_len: int, causal: bool, device) -> Tensor:

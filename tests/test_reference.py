@@ -95,3 +95,17 @@ def test_split_reference_matches_reference(heads, q_len, page, causal, kind):
         assert plan.num_splits.max() > 1, "the case should exercise the merge"
     assert_lse_close(split_lse, lse, atol=2e-5, rtol=1e-6)
     torch.testing.assert_close(split_out, out, atol=2e-5, rtol=1e-5)
+
+
+def test_gather_reads_tokens_without_a_valid_page_as_zeros():
+    """The kernels' contract for values that only eager calls check: entries outside the cache and pages past
+    the table's width read as zeros; the other tokens come from their pages."""
+    from mla_backend.reference import gather_request_kv
+
+    kv = torch.arange(5 * 4 * 576, dtype=torch.float32).reshape(5, 4, 576).to(torch.float8_e4m3fn)
+    table = torch.tensor([[3, -1, 7]], dtype=torch.int32)  # page 1 negative, page 2 outside 5 pages
+    rows = gather_request_kv(kv, table, 0, 15)  # 15 tokens: pages 0-2 of the table, then past its width
+    assert rows.shape == (15, 576)
+    assert torch.equal(rows[:4], kv[3].float())
+    assert torch.all(rows[4:] == 0)
+    assert torch.equal(gather_request_kv(kv, table, 0, 3, 1), kv[3, 1:3].float())

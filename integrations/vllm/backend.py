@@ -196,6 +196,7 @@ class CuteMLAFP8Impl(MLACommonImpl[CuteMLAFP8Metadata]):
             causal=True,
             plan=decode.split_plan,
             workspace=decode.workspace,
+            check_values=False,  # vLLM's own block table and lengths: no device sync per layer
         )
         out = out.view(num_tokens, num_heads, LATENT_DIM)
         if not self.need_to_return_lse_for_decode:

@@ -1,7 +1,9 @@
 """Small decode shapes for compute-sanitizer memcheck (run by test_mla_decode_gpu.py).
 
 The KV pool is allocated with exactly the pages the batch uses and the block table's unused slots hold huge
-page ids, so a read past any request's pages or past the pool is reported.
+page ids, so a read past any request's pages or past the pool is reported. The last case passes values the
+eager checks would reject (check_values=False, as engines call it): page ids outside the pool inside the
+lengths, a length past the block table's width (the table allocated exactly), a negative length.
 """
 
 import os
@@ -20,3 +22,13 @@ for heads, q_len, page, lengths in [(12, 1, 32, [0, 1, 31, 33, 700]), (16, 4, 64
     out, lse = mla_decode(q, kv, bt, sl, softmax_scale=0.05, q_scale=qs, k_scale=ks)
     torch.cuda.synchronize()
     print(f"sanitize: checked H{heads} q{q_len} page {page} {lengths}")
+
+q, kv, bt, sl, qs, ks = make_decode_inputs([100, 64, 40, 5], q_len=1, num_heads=12, page_size=32, device="cuda",
+                                           extra_pages=0)
+bad_bt = bt[:, :2].clone()  # 2 pages = 64 tokens of room per request, allocated exactly
+bad_bt[0, 1] = -7
+bad_bt[1, 0] = kv.shape[0]
+bad_sl = torch.tensor([100, 64, -3, 5], dtype=torch.int32, device="cuda")  # 100 > 64 tokens of room
+out, lse = mla_decode(q, kv, bad_bt, bad_sl, softmax_scale=0.05, q_scale=qs, k_scale=ks, check_values=False)
+torch.cuda.synchronize()
+print("sanitize: checked unchecked bad values")

@@ -190,6 +190,43 @@ def test_kernels_under_compute_sanitizer_memcheck():
     assert "sanitize: checked" in result.stdout, tail
 
 
+def bad_metadata(page):
+    """A batch whose block table and lengths the eager checks would reject: page ids outside the pool inside
+    the lengths, a length past the table's width, a negative length."""
+    q, kv, bt, sl, qs, ks = make_decode_inputs([3000, 700, 90, 5, 0], q_len=2, num_heads=16, page_size=page,
+                                               device="cuda", seed=21)
+    width = -(-1000 // page)  # room for 1000 tokens: request 0 runs past it
+    bad_bt = bt[:, :width].clone()
+    bad_bt[1, 3] = -1
+    bad_bt[1, 5] = kv.shape[0] + 12
+    bad_sl = torch.tensor([3000, 700, -40, 5, 0], dtype=torch.int32, device="cuda")
+    return q, kv, bad_bt, bad_sl, qs, ks
+
+
+@pytest.mark.parametrize("page", [32, 64])
+def test_unchecked_bad_metadata_reads_zeros_eager_and_in_graph(page):
+    """check_values=False (the engines' call): no error, no out-of-bounds read (the sanitizer test covers
+    that), and the result the reference defines: tokens without a valid page read as zeros."""
+    q, kv, bt, sl, qs, ks = bad_metadata(page)
+    kwargs = dict(softmax_scale=576 ** -0.5, q_scale=qs, k_scale=ks)
+    with pytest.raises(ValueError, match="seq_lens|block_table"):
+        mla_decode(q, kv, bt, sl, **kwargs)
+    ref_out, ref_lse = mla_decode_reference(q, kv, bt, sl, **kwargs)
+    out, lse = mla_decode(q, kv, bt, sl, check_values=False, **kwargs)
+    check_against_reference(out, lse, ref_out, ref_lse)
+
+    plan = plan_splits(sl, q_len=2, num_heads=16, page_size=page)
+    ws = DecodeWorkspace.for_plan(plan, 2, 16)
+    g_out, g_lse = torch.empty_like(out), torch.empty_like(lse)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        plan_splits(sl, q_len=2, num_heads=16, page_size=page, out=plan)
+        mla_decode(q, kv, bt, sl, out=g_out, lse=g_lse, plan=plan, workspace=ws, **kwargs)
+    graph.replay()
+    torch.cuda.synchronize()
+    check_against_reference(g_out, g_lse, ref_out, ref_lse)
+
+
 def test_pages_beyond_two_gib_of_pool():
     """A real KV pool is tens of GB: page offsets past 2^31 bytes must not wrap (64-bit addressing)."""
     page = 32
