@@ -34,6 +34,10 @@ DEFAULT_TILE_TOKENS = 64
 # merge) costs about as much as streaming a few KV tiles. FlashMLA uses the equivalent of 5; to be tuned by
 # measurement on our kernel.
 DEFAULT_SEGMENT_OVERHEAD = 5
+# Lengths are planned as min(max(L, 0), MAX_PLANNED_KV_LEN): 16x the longest context we serve, and small enough
+# that a plan's tile and cost sums stay in int32 whatever garbage a CUDA graph is replayed with (tokens past a
+# request's block table read as zeros in the kernel, so a clamped length never reads out of bounds either).
+MAX_PLANNED_KV_LEN = 1 << 24
 H200_SMS = 132
 
 
@@ -156,6 +160,9 @@ def plan_splits(seq_lens: Tensor, *, q_len: int, num_heads: int, page_size: int,
         raise ValueError(f"seq_lens has {batch} requests but the plan holds max_batch={max_batch}")
     if num_ctas < 1 or max_batch < 1:
         raise ValueError(f"num_ctas and max_batch must be >= 1, got {num_ctas}, {max_batch}")
+    if max_batch * (MAX_PLANNED_KV_LEN // tile_tokens + segment_overhead) >= 1 << 31:
+        raise ValueError(f"max_batch={max_batch} is too large for tile_tokens={tile_tokens}: the plan's sums "
+                         f"would overflow int32")
 
     plan = out if out is not None else SplitPlan.empty(max_batch, num_ctas, tile_tokens, segment_overhead,
                                                        seq_lens.device)
@@ -179,7 +186,7 @@ def _plan_with_torch(seq_lens: Tensor, plan: SplitPlan) -> None:
     tile_tokens, segment_overhead = plan.tile_tokens, plan.segment_overhead
     num_ctas, max_batch, batch = plan.num_ctas, plan.max_batch, seq_lens.shape[0]
     device = seq_lens.device
-    lengths = torch.nn.functional.pad(seq_lens.to(torch.int64), (0, max_batch - batch)).clamp(min=0)
+    lengths = torch.nn.functional.pad(seq_lens.to(torch.int64), (0, max_batch - batch)).clamp(0, MAX_PLANNED_KV_LEN)
     tiles = (lengths + tile_tokens - 1) // tile_tokens
     cost = tiles + segment_overhead * (tiles > 0)
     cost_start = torch.cumsum(cost, 0) - cost

@@ -150,3 +150,19 @@ def test_planner_rejects_bad_arguments():
         plan_splits(torch.zeros(3, dtype=torch.int32), q_len=1, num_heads=12, page_size=32, max_batch=2)
     with pytest.raises(ValueError, match="tile_tokens"):
         plan_splits(torch.zeros(3, dtype=torch.int32), q_len=1, num_heads=12, page_size=32, tile_tokens=48)
+    with pytest.raises(ValueError, match="overflow int32"):
+        plan_splits(torch.zeros(3, dtype=torch.int32), q_len=1, num_heads=12, page_size=32, tile_tokens=32,
+                    max_batch=5000)
+
+
+def test_lengths_are_planned_clamped_to_zero_and_the_planned_maximum():
+    """Inside a CUDA graph nothing checks seq_lens: negative lengths plan as 0 and huge ones as
+    MAX_PLANNED_KV_LEN, so the plan's int32 sums cannot overflow."""
+    from mla_backend.planner import MAX_PLANNED_KV_LEN
+
+    garbage = torch.tensor([2 ** 31 - 1, -5, 3, -(2 ** 31)], dtype=torch.int32)
+    clamped = torch.tensor([MAX_PLANNED_KV_LEN, 0, 3, 0], dtype=torch.int32)
+    got = plan_splits(garbage, q_len=1, num_heads=12, page_size=32, num_ctas=132)
+    want = plan_splits(clamped, q_len=1, num_heads=12, page_size=32, num_ctas=132)
+    assert all(torch.equal(a, b) for a, b in zip(got.tensors(), want.tensors()))
+    assert int(got.request_tile_start[-1]) == MAX_PLANNED_KV_LEN // 64 + 1

@@ -19,6 +19,7 @@ import cutlass.memory
 import cutlass.cute as cute
 from cutlass import Int32, Int64
 
+from ..planner import MAX_PLANNED_KV_LEN
 from .cute_utils import cuda_stream, gmem_ptr
 
 THREADS = 512
@@ -115,6 +116,8 @@ class PlanSplitsSM90:
                     length = seq_lens[b]
                     if length < 0:
                         length = Int32(0)
+                    if length > MAX_PLANNED_KV_LEN:
+                        length = Int32(MAX_PLANNED_KV_LEN)
                 t = (length + (T - 1)) // T
                 tiles[b] = t
                 my_tiles = my_tiles + t

@@ -20,6 +20,7 @@ def batches(gen):
     yield [131072] + [2048] * 63
     yield [0] * 200
     yield [0, 1, 63, 64, 65, 4096, 131072, 1 << 20] * 20
+    yield [2 ** 31 - 1, -5, 3, (1 << 24) + 1, -(2 ** 31)]  # garbage a graph may be replayed with: clamped
     for _ in range(40):
         n = int(torch.randint(1, 300, (1,), generator=gen))
         top = int(torch.randint(1, 1 << 20, (1,), generator=gen))
