@@ -290,7 +290,6 @@ class MLADecodeSM90:
 
         q_scale = mQScale[0]
         k_scale = mKScale[0]
-        num_pages = cute.size(mKV, mode=[3])  # block-table entries outside [0, num_pages) are never read
         scale_log2 = scale_log2_base * q_scale * k_scale
 
         # ---- shared memory ----
@@ -402,14 +401,14 @@ class MLADecodeSM90:
                 if n_mine > 0:
                     tok0 = tok_begin + wg * C
                     self._load_chunk(mKV, atom_cp_async, sRing, zero16,
-                                     self._lookup_page(mBT, num_pages, b, tok0, tok_end, tw), tok0, wg, tw)
+                                     self._lookup_page(mBT, b, tok0, tok_end, tw), tok0, wg, tw)
                     self._load_chunk(mKV, atom_cp_async, sRing, zero16,
-                                     self._lookup_page(mBT, num_pages, b, tok0 + C // 2, tok_end, tw), tok0, wg, tw,
+                                     self._lookup_page(mBT, b, tok0 + C // 2, tok_end, tw), tok0, wg, tw,
                                      C // 2)
                 cute.arch.cp_async_commit_group()
                 # pages of this warpgroup's next chunk, read a whole warpgroup iteration before its copies
-                next0 = self._lookup_page(mBT, num_pages, b, tok_begin + (wg + 2) * C, tok_end, tw)
-                next1 = self._lookup_page(mBT, num_pages, b, tok_begin + (wg + 2) * C + C // 2, tok_end, tw)
+                next0 = self._lookup_page(mBT, b, tok_begin + (wg + 2) * C, tok_end, tw)
+                next1 = self._lookup_page(mBT, b, tok_begin + (wg + 2) * C + C // 2, tok_end, tw)
                 cute.arch.cp_async_wait_group(1)  # Q
                 fence_proxy_async_smem()  # the Q writers (all in warpgroup 0) -> the S^T wgmmas of both warpgroups
                 cute.arch.barrier()
@@ -428,8 +427,8 @@ class MLADecodeSM90:
                         self._load_chunk(mKV, atom_cp_async, sRing, zero16, next1, chunk_tok0 + 2 * C, next_stage, tw,
                                          C // 2)
                     cute.arch.cp_async_commit_group()
-                    next0 = self._lookup_page(mBT, num_pages, b, chunk_tok0 + 4 * C, tok_end, tw)
-                    next1 = self._lookup_page(mBT, num_pages, b, chunk_tok0 + 4 * C + C // 2, tok_end, tw)
+                    next0 = self._lookup_page(mBT, b, chunk_tok0 + 4 * C, tok_end, tw)
+                    next1 = self._lookup_page(mBT, b, chunk_tok0 + 4 * C + C // 2, tok_end, tw)
 
                     # all 18 k32 steps, as two chains of 9 summed in fp32: the FP8 wgmma accumulator keeps fewer
                     # mantissa bits than fp32, and one 18-step chain measured 4x the lse error of the split
@@ -496,12 +495,12 @@ class MLADecodeSM90:
                 # ======== both warpgroups on every chunk: S^T split over K, O^T over the dims ========
                 for st in cutlass.range_constexpr(NS - 1):
                     if st < n_chunks:
-                        page = self._lookup_page(mBT, num_pages, b, tok_begin + st * C, tok_end, tidx)
+                        page = self._lookup_page(mBT, b, tok_begin + st * C, tok_end, tidx)
                         self._load_chunk(mKV, atom_cp_async, sRing, zero16, page, tok_begin + st * C, st, tidx)
                     cute.arch.cp_async_commit_group()
                 # The block-table entry of the next chunk to load is read one iteration early: a dependent global
                 # read right before the cp.async would stall every warp for its L2 latency once per chunk.
-                next_page = self._lookup_page(mBT, num_pages, b, tok_begin + (NS - 1) * C, tok_end, tidx)
+                next_page = self._lookup_page(mBT, b, tok_begin + (NS - 1) * C, tok_end, tidx)
 
                 cute.arch.cp_async_wait_group(NS - 2)  # Q and chunk 0
                 fence_proxy_async_smem()
@@ -526,7 +525,7 @@ class MLADecodeSM90:
                         self._load_chunk(mKV, atom_cp_async, sRing, zero16, next_page, chunk_tok0 + (NS - 1) * C,
                                          (ci + NS - 1) % NS, tidx)
                     cute.arch.cp_async_commit_group()
-                    next_page = self._lookup_page(mBT, num_pages, b, chunk_tok0 + NS * C, tok_end, tidx)
+                    next_page = self._lookup_page(mBT, b, chunk_tok0 + NS * C, tok_end, tidx)
                     stage_addr = ring_addr + stage * (C * 128 * KV_BLOCKS)
                     if ci + 1 < n_chunks:
                         self._issue_s(acc_S, ring_addr, q_addr, (ci + 1) % NS, wg * KSTEPS, KSTEPS)
@@ -680,29 +679,25 @@ class MLADecodeSM90:
                 mLse[srow_g, b] = lse
 
     @cute.jit
-    def _lookup_page(self, mBT: cute.Tensor, num_pages: Int32, b: Int32, tok0: Int32, tok_end: Int32,
-                     tidx: Int32) -> Int32:
-        """Page of token tok0 + tidx / 4 of request b (the token this thread copies), or -1 when it has no KV
-        to read: at or past tok_end, past the block table's width, or a block-table entry outside the cache
-        (possible inside a CUDA graph, where values go unchecked: such tokens read as zeros, and neither the
-        table nor the cache is ever read out of bounds)."""
+    def _lookup_page(self, mBT: cute.Tensor, b: Int32, tok0: Int32, tok_end: Int32, tidx: Int32) -> Int32:
+        """Block-table entry of token tok0 + tidx / 4 of request b (the token this thread copies), or -1 when it
+        has no KV to read: at or past tok_end, or past the block table's width (possible inside a CUDA graph,
+        where values go unchecked). The entry itself is range-checked where it is used (`_load_chunk`): a check
+        here would wait for the global load and undo reading the entry an iteration early."""
         tok = tok0 + tidx // 4
         page = Int32(-1)
         if tok < tok_end:
             page_index = tok // self.page_size
             if page_index < cute.size(mBT, mode=[0]):
-                entry = mBT[page_index, b]
-                if entry >= 0:
-                    if entry < num_pages:
-                        page = entry
+                page = mBT[page_index, b]
         return page
 
     @cute.jit
     def _load_chunk(self, mKV: cute.Tensor, atom_cp_async: cute.CopyAtom, sRing: cute.Tensor, zero16: cute.Tensor,
                     page: Int32, tok0: Int32, stage: Int32, tidx: Int32, token_offset: cutlass.Constexpr = 0):
         """cp.async this thread's share of the chunk [tok0, tok0 + C) of a request into ring stage `stage`: token
-        tidx / 4 + token_offset of the chunk (on `page`), zero-filled in shared memory when page is -1 (no KV:
-        see `_lookup_page`).
+        tidx / 4 + token_offset of the chunk (on `page`), zero-filled in shared memory when page is not a page of
+        the cache: -1 from `_lookup_page` (no KV) or a bad block-table entry, which is never read.
 
         Thread t copies 16-byte pieces t % 4 + 4i (i < 9): addresses that differ by constants (no per-piece
         address registers), and per instruction 64 contiguous bytes of each of a warp's 8 tokens. All 256
@@ -711,7 +706,7 @@ class MLADecodeSM90:
         PIECES = KV_DIM // 16
         n = tidx // 4 + token_offset
         tok = tok0 + n
-        if page >= 0:
+        if page >= 0 and page < cute.size(mKV, mode=[3]):
             for i in cutlass.range_constexpr(PIECES // 4):
                 pc = tidx % 4 + 4 * i
                 cute.copy(atom_cp_async, mKV[None, pc, tok % P, page], sRing[None, pc, n, stage])
