@@ -1,7 +1,7 @@
 """Merge the split-KV partials of each request by their LSE (SM90, CuTe DSL).
 
-One CTA of 8 warps per (request, query row): it reads the split count and workspace offset from the plan, so
-the grid is fixed (batch x rows) and needs no host reads. Requests with one split exit at once: the decode
+One CTA of 8 warps per (request, query row, quarter of the 512 columns): it reads the split count and
+workspace offset from the plan, so the grid is fixed (batch x rows x 4) and needs no host reads. Requests with one split exit at once: the decode
 kernel already wrote their final output. Requests without KV (no split at all) get out = 0, lse = -inf here,
 since no decode CTA visits them.
 
@@ -9,7 +9,7 @@ Why a CTA per row and not a warp: a long request is cut into up to one split per
 warp walking 132 partials one after the other waits on 132 dependent round trips to memory (the first
 version spent ~100 us there for a single 128K request). Here the split LSEs are read by all 256 threads at
 once and reduced across the CTA, and the 8 warps take every 8th partial each, so about 17 partial rows per
-warp are in flight; each lane owns 16 of the 512 columns as four 16-byte vectors (coalesced 512-byte rows).
+warp, four at a time (unrolled); each lane owns 4 of the CTA's 128 columns as one 16-byte vector.
 The warps' sums are added through shared memory at the end.
 
 out = sum_s exp(lse_s - lse) * O_s, lse = log(sum_s exp(lse_s)), computed in base 2; a row whose partials
@@ -33,7 +33,12 @@ LN_2 = math.log(2.0)
 WARPS = 8
 THREADS = 32 * WARPS
 VEC = 4  # fp32 per 16-byte access
-VECS_PER_LANE = LATENT_DIM // (32 * VEC)
+# A request's row is merged by DIM_SPLITS CTAs, each over COLS of the 512 output columns (each recomputes the
+# split weights: a few hundred floats). One CTA per (request, row) gave B1 12 CTAs on 132 SMs, each reading all
+# of the row's ~130 partials: ~8 us of a 1M-token step.
+DIM_SPLITS = 4
+COLS = LATENT_DIM // DIM_SPLITS
+VECS_PER_LANE = COLS // (32 * VEC)
 MAX_SPLITS = 2048  # split weights kept in shared memory; a plan has at most num_ctas splits per request
 
 
@@ -58,7 +63,7 @@ class CombineSplitsSM90:
         num_splits = cute.make_tensor(p_num_splits, cute.make_layout((max_batch,)))
         split_offset = cute.make_tensor(p_split_offset, cute.make_layout((max_batch,)))
         self.kernel(partial_out, partial_lse, out, lse, num_splits, split_offset).launch(
-            grid=[batch, R, 1], block=[THREADS, 1, 1], stream=stream)
+            grid=[batch, R, DIM_SPLITS], block=[THREADS, 1, 1], stream=stream)
 
     @cute.jit
     def _block_reduce(self, value: cutlass.Float32, scratch: cute.Tensor, warp, lane, is_max: cutlass.Constexpr):
@@ -82,23 +87,24 @@ class CombineSplitsSM90:
     def kernel(self, partial_out: cute.Tensor, partial_lse: cute.Tensor, out: cute.Tensor, lse: cute.Tensor,
                num_splits: cute.Tensor, split_offset: cute.Tensor):
         tidx, _, _ = cute.arch.thread_idx()
-        request, row, _ = cute.arch.block_idx()
+        request, row, part_of_row = cute.arch.block_idx()
         lane = tidx % 32
         warp = tidx // 32
         splits = num_splits[request]
-        dst = out[request, row, None]
+        dst = cute.local_tile(out[request, row, None], (COLS,), (part_of_row,))  # this CTA's columns
         if splits == 0:
-            if tidx < LATENT_DIM // VEC:
+            if tidx < COLS // VEC:
                 zeros = cute.make_rmem_tensor((VEC,), cutlass.BFloat16)
                 zeros.fill(0.0)
                 cute.autovec_copy(zeros, cute.local_tile(dst, (VEC,), (tidx,)))
             if tidx == 0:
-                lse[request, row] = -cutlass.Float32.inf
+                if part_of_row == 0:
+                    lse[request, row] = -cutlass.Float32.inf
         if splits > 1:
             smem = cutlass.memory.SmemAllocator()
             weights = smem.allocate_tensor(cutlass.Float32, cute.make_layout(MAX_SPLITS), 16)
             scratch = smem.allocate_tensor(cutlass.Float32, cute.make_layout(WARPS), 16)
-            sums = smem.allocate_tensor(cutlass.Float32, cute.make_layout((LATENT_DIM, WARPS), stride=(1, LATENT_DIM)), 16)
+            sums = smem.allocate_tensor(cutlass.Float32, cute.make_layout((COLS, WARPS), stride=(1, COLS)), 16)
             first = split_offset[request]
 
             # The largest LSE (base 2), then the weights 2^(lse_s - max) and their sum, all splits at once.
@@ -124,9 +130,9 @@ class CombineSplitsSM90:
             acc = cute.make_rmem_tensor((VEC, VECS_PER_LANE), cutlass.Float32)
             acc.fill(0.0)
             part = cute.make_rmem_tensor((VEC, VECS_PER_LANE), cutlass.Float32)
-            for s in cutlass.range(warp, splits, WARPS):
+            for s in cutlass.range(warp, splits, WARPS, unroll=4):  # 4 partials' loads in flight per warp
                 weight = weights[s] * inv_total
-                src = partial_out[first + s, row, None]
+                src = cute.local_tile(partial_out[first + s, row, None], (COLS,), (part_of_row,))
                 for k in cutlass.range_constexpr(VECS_PER_LANE):
                     cute.copy(load_atom, cute.local_tile(src, (VEC,), (lane + 32 * k,)), part[None, k])
                 for k in cutlass.range_constexpr(VECS_PER_LANE):
@@ -137,20 +143,22 @@ class CombineSplitsSM90:
                     sums[(lane + 32 * k) * VEC + i, warp] = acc[i, k]
             cute.arch.barrier()
 
-            # Thread t adds the 8 warps' sums of columns 2t, 2t+1 and stores them as one bf16 pair.
-            pair = cute.make_rmem_tensor((2,), cutlass.BFloat16)
-            for i in cutlass.range_constexpr(2):
-                column = tidx * 2 + i
-                value = sums[column, 0]
-                for w in cutlass.range_constexpr(1, WARPS):
-                    value += sums[column, w]
-                pair[i] = value.to(cutlass.BFloat16)
-            cute.autovec_copy(pair, cute.local_tile(dst, (2,), (tidx,)))
+            # Thread t < COLS / 2 adds the 8 warps' sums of columns 2t, 2t+1 and stores them as one bf16 pair.
+            if tidx < COLS // 2:
+                pair = cute.make_rmem_tensor((2,), cutlass.BFloat16)
+                for i in cutlass.range_constexpr(2):
+                    column = tidx * 2 + i
+                    value = sums[column, 0]
+                    for w in cutlass.range_constexpr(1, WARPS):
+                        value += sums[column, w]
+                    pair[i] = value.to(cutlass.BFloat16)
+                cute.autovec_copy(pair, cute.local_tile(dst, (2,), (tidx,)))
             if tidx == 0:
-                result = -cutlass.Float32.inf
-                if total > cutlass.Float32(0.0):
-                    result = (anchor + cute.math.log2(total)) * LN_2
-                lse[request, row] = result
+                if part_of_row == 0:
+                    result = -cutlass.Float32.inf
+                    if total > cutlass.Float32(0.0):
+                        result = (anchor + cute.math.log2(total)) * LN_2
+                    lse[request, row] = result
 
 
 _compiled = {}
