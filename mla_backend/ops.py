@@ -14,7 +14,7 @@ from typing import List, Optional, Tuple
 import torch
 
 from . import reference
-from .planner import SplitPlan, batch_bucket, plan_splits
+from .planner import SplitPlan, batch_bucket, default_num_ctas, plan_splits
 from .shapes import LATENT_DIM, check_decode_args, quantize_q
 
 Tensor = torch.Tensor
@@ -55,6 +55,25 @@ def _workspace_for(plan: SplitPlan, q_len: int, num_heads: int) -> DecodeWorkspa
         ws = DecodeWorkspace.for_plan(plan, q_len, num_heads)
         _default_workspaces[key] = ws
     return ws
+
+
+# The op's own plans (callers that pass none), one per device and batch bucket, refilled by the planner on every
+# call. A fresh plan per call cost six allocations and six fill kernels. Like the default workspaces, they assume
+# the calls that share them are ordered on one stream; inside a CUDA-graph capture a fresh plan is made instead,
+# so a graph never shares buffers with eager calls.
+_default_plans = {}
+
+
+def _own_plan(seq_lens: Tensor, q_len: int, num_heads: int, page_size: int, batch: int) -> SplitPlan:
+    max_batch = batch_bucket(batch)
+    if torch.cuda.is_current_stream_capturing():
+        return plan_splits(seq_lens, q_len=q_len, num_heads=num_heads, page_size=page_size, max_batch=max_batch)
+    key = (seq_lens.device, max_batch)
+    plan = _default_plans.get(key)
+    if plan is None:
+        plan = SplitPlan.empty(max_batch, default_num_ctas(seq_lens.device), device=seq_lens.device)
+        _default_plans[key] = plan
+    return plan_splits(seq_lens, q_len=q_len, num_heads=num_heads, page_size=page_size, out=plan)
 
 
 @torch.library.custom_op("mla_backend::decode_paged", mutates_args=("out", "lse", "partial_out", "partial_lse"))
@@ -122,8 +141,7 @@ def mla_decode(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tenso
         lse = torch.empty(batch, q_len, heads, dtype=torch.float32, device=q.device)
     q8 = quantize_q(q, q_scale)
     if q.is_cuda and plan is None:
-        plan = plan_splits(seq_lens, q_len=q_len, num_heads=heads, page_size=kv.shape[1],
-                           max_batch=batch_bucket(batch))
+        plan = _own_plan(seq_lens, q_len, heads, kv.shape[1], batch)
     if plan is not None:
         if plan.max_batch < batch or plan.device != q.device:
             raise ValueError(f"plan holds {plan.max_batch} requests on {plan.device}; "

@@ -227,6 +227,21 @@ def test_unchecked_bad_metadata_reads_zeros_eager_and_in_graph(page):
     check_against_reference(g_out, g_lse, ref_out, ref_lse)
 
 
+def test_own_plan_is_reused_across_eager_calls_and_refilled():
+    """Without a plan the op plans into a cached one per batch bucket: the same buffers, refilled each call."""
+    from mla_backend import ops
+
+    results = []
+    for seed, lengths in enumerate([[5000, 3, 0, 70000, 64], [1, 9000, 33]]):  # both in the bucket of 8
+        q, kv, bt, sl, qs, ks = make_decode_inputs(lengths, q_len=1, num_heads=12, page_size=32, device="cuda",
+                                                   seed=40 + seed)
+        kwargs = dict(softmax_scale=576 ** -0.5, q_scale=qs, k_scale=ks)
+        out, lse = mla_decode(q, kv, bt, sl, **kwargs)
+        check_against_reference(out, lse, *mla_decode_reference(q, kv, bt, sl, **kwargs))
+        results.append(ops._default_plans[(sl.device, 8)])
+    assert results[0] is results[1]
+
+
 def test_pages_beyond_two_gib_of_pool():
     """A real KV pool is tens of GB: page offsets past 2^31 bytes must not wrap (64-bit addressing)."""
     page = 32
