@@ -129,7 +129,8 @@ def mla_decode(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tenso
     lengths, lengths past the block table and page ids outside the cache, with an error naming the argument:
     a device sync and a copy per call, which engines that trust their own metadata skip (the adapters pass
     False). Unchecked bad values never make the kernels read out of bounds: a token whose page is past the
-    table's width or outside the cache reads as zeros, and a negative length counts as 0.
+    table's width is read through its last column, a page id outside the cache reads as zeros, and a negative
+    length counts as 0.
     """
     in_graph = torch.compiler.is_compiling() or (q.is_cuda and torch.cuda.is_current_stream_capturing())
     kv = check_decode_args(q, kv_cache, block_table, seq_lens, softmax_scale, q_scale, k_scale, out, lse,

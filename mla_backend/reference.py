@@ -23,17 +23,16 @@ Tensor = torch.Tensor
 def gather_request_kv(kv_cache: Tensor, block_table: Tensor, request: int, end: int, first: int = 0) -> Tensor:
     """KV rows [first, end) of one request, in token order, as fp32 [end - first, 576].
 
-    A token whose page lies past the block table's width, or whose block-table entry is not a page of the
-    cache, reads as zeros: the kernels never read outside the cache or the table, even for such input inside
-    a CUDA graph, where the op cannot check values (eager calls reject it by default)."""
+    A token whose page lies past the block table's width is read through the table's last column, and a token
+    whose block-table entry is not a page of the cache reads as zeros: the kernels never read outside the cache
+    or the table, even for such input inside a CUDA graph, where the op cannot check values (eager calls reject
+    it by default)."""
     num_pages, page_size = kv_cache.shape[0], kv_cache.shape[1]
     width = block_table.shape[1]
     tokens = torch.arange(first, max(first, end), device=kv_cache.device)
-    page_index = tokens // page_size
-    entries = torch.full_like(tokens, -1)
-    in_table = page_index < width
-    if width > 0:
-        entries = torch.where(in_table, block_table[request].long()[page_index.clamp(max=width - 1)], entries)
+    if width < 1:
+        raise ValueError("block_table must have at least one column")
+    entries = block_table[request].long()[(tokens // page_size).clamp(max=width - 1)]
     valid = (entries >= 0) & (entries < num_pages)
     rows = kv_cache[entries.clamp(0, max(num_pages - 1, 0)), tokens % page_size].float()
     return torch.where(valid[:, None], rows, torch.zeros_like(rows))

@@ -90,8 +90,8 @@ def check_decode_args(q, kv_cache, block_table, seq_lens, softmax_scale, q_scale
 
     if not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32:
         _fail(TypeError, f"block_table must be an int32 tensor, got {getattr(block_table, 'dtype', type(block_table))}")
-    if block_table.dim() != 2 or block_table.shape[0] != batch:
-        _fail(ValueError, f"block_table must have shape [batch={batch}, max_pages], got {tuple(block_table.shape)}")
+    if block_table.dim() != 2 or block_table.shape[0] != batch or block_table.shape[1] < 1:
+        _fail(ValueError, f"block_table must have shape [batch={batch}, max_pages >= 1], got {tuple(block_table.shape)}")
     if block_table.stride(-1) != 1:
         _fail(ValueError, "block_table must be contiguous in its last dimension")
     if block_table.device != device:

@@ -98,8 +98,8 @@ def test_split_reference_matches_reference(heads, q_len, page, causal, kind):
 
 
 def test_gather_reads_tokens_without_a_valid_page_as_zeros():
-    """The kernels' contract for values that only eager calls check: entries outside the cache and pages past
-    the table's width read as zeros; the other tokens come from their pages."""
+    """The kernels' contract for values that only eager calls check: entries outside the cache read as zeros,
+    pages past the table's width are read through its last column; the other tokens come from their pages."""
     from mla_backend.reference import gather_request_kv
 
     kv = torch.arange(5 * 4 * 576, dtype=torch.float32).reshape(5, 4, 576).to(torch.float8_e4m3fn)
@@ -107,5 +107,9 @@ def test_gather_reads_tokens_without_a_valid_page_as_zeros():
     rows = gather_request_kv(kv, table, 0, 15)  # 15 tokens: pages 0-2 of the table, then past its width
     assert rows.shape == (15, 576)
     assert torch.equal(rows[:4], kv[3].float())
-    assert torch.all(rows[4:] == 0)
+    assert torch.all(rows[4:] == 0)  # pages 1, 2 and, past the width, the last column's page 7 again
+    table = torch.tensor([[3, 2]], dtype=torch.int32)
+    rows = gather_request_kv(kv, table, 0, 14)
+    assert torch.equal(rows[4:8], kv[2].float())
+    assert torch.equal(rows[8:12], kv[2].float()) and torch.equal(rows[12:], kv[2, :2].float())
     assert torch.equal(gather_request_kv(kv, table, 0, 3, 1), kv[3, 1:3].float())

