@@ -33,20 +33,24 @@ LN_2 = math.log(2.0)
 WARPS = 8
 THREADS = 32 * WARPS
 VEC = 4  # fp32 per 16-byte access
-# A request's row is merged by DIM_SPLITS CTAs, each over COLS of the 512 output columns (each recomputes the
-# split weights: a few hundred floats). One CTA per (request, row) gave B1 12 CTAs on 132 SMs, each reading all
-# of the row's ~130 partials: ~8 us of a 1M-token step.
+# Small batches merge each row with DIM_SPLITS CTAs, each over a quarter of the 512 output columns (each
+# recomputes the split weights: a few hundred floats). One CTA per (request, row) gave B1 12 CTAs on 132 SMs,
+# each reading all of the row's ~130 partials: ~8 us of a 1M-token step. With more rows than SMs the quarters
+# only multiply the weight work (measured: 8K x B128 combine 7.6 -> 12.1 us), so those keep one CTA per row.
 DIM_SPLITS = 4
-COLS = LATENT_DIM // DIM_SPLITS
-VECS_PER_LANE = COLS // (32 * VEC)
 MAX_SPLITS = 2048  # split weights kept in shared memory; a plan has at most num_ctas splits per request
 
 
 class CombineSplitsSM90:
-    """Static configuration: the number of query rows per request (q_len * heads)."""
+    """Static configuration: the number of query rows per request (q_len * heads) and the number of CTAs that
+    share a row's 512 columns (1 or DIM_SPLITS)."""
 
-    def __init__(self, rows: int):
+    def __init__(self, rows: int, dim_splits: int = 1):
+        assert LATENT_DIM % (dim_splits * 32 * VEC) == 0
         self.rows = rows
+        self.dim_splits = dim_splits
+        self.cols = LATENT_DIM // dim_splits
+        self.vecs_per_lane = self.cols // (32 * VEC)
 
     @cute.jit
     def __call__(self, p_partial_out: cute.Pointer, p_partial_lse: cute.Pointer, p_out: cute.Pointer,
@@ -63,7 +67,7 @@ class CombineSplitsSM90:
         num_splits = cute.make_tensor(p_num_splits, cute.make_layout((max_batch,)))
         split_offset = cute.make_tensor(p_split_offset, cute.make_layout((max_batch,)))
         self.kernel(partial_out, partial_lse, out, lse, num_splits, split_offset).launch(
-            grid=[batch, R, DIM_SPLITS], block=[THREADS, 1, 1], stream=stream)
+            grid=[batch, R, self.dim_splits], block=[THREADS, 1, 1], stream=stream)
 
     @cute.jit
     def _block_reduce(self, value: cutlass.Float32, scratch: cute.Tensor, warp, lane, is_max: cutlass.Constexpr):
@@ -91,9 +95,9 @@ class CombineSplitsSM90:
         lane = tidx % 32
         warp = tidx // 32
         splits = num_splits[request]
-        dst = cute.local_tile(out[request, row, None], (COLS,), (part_of_row,))  # this CTA's columns
+        dst = cute.local_tile(out[request, row, None], (self.cols,), (part_of_row,))  # this CTA's columns
         if splits == 0:
-            if tidx < COLS // VEC:
+            if tidx < self.cols // VEC:
                 zeros = cute.make_rmem_tensor((VEC,), cutlass.BFloat16)
                 zeros.fill(0.0)
                 cute.autovec_copy(zeros, cute.local_tile(dst, (VEC,), (tidx,)))
@@ -104,7 +108,7 @@ class CombineSplitsSM90:
             smem = cutlass.memory.SmemAllocator()
             weights = smem.allocate_tensor(cutlass.Float32, cute.make_layout(MAX_SPLITS), 16)
             scratch = smem.allocate_tensor(cutlass.Float32, cute.make_layout(WARPS), 16)
-            sums = smem.allocate_tensor(cutlass.Float32, cute.make_layout((COLS, WARPS), stride=(1, COLS)), 16)
+            sums = smem.allocate_tensor(cutlass.Float32, cute.make_layout((self.cols, WARPS), stride=(1, self.cols)), 16)
             first = split_offset[request]
 
             # The largest LSE (base 2), then the weights 2^(lse_s - max) and their sum, all splits at once.
@@ -127,24 +131,24 @@ class CombineSplitsSM90:
 
             # 16-byte accesses: every vector starts at a multiple of 4 elements of a 16-byte aligned row.
             load_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), cutlass.Float32, num_bits_per_copy=128)
-            acc = cute.make_rmem_tensor((VEC, VECS_PER_LANE), cutlass.Float32)
+            acc = cute.make_rmem_tensor((VEC, self.vecs_per_lane), cutlass.Float32)
             acc.fill(0.0)
-            part = cute.make_rmem_tensor((VEC, VECS_PER_LANE), cutlass.Float32)
+            part = cute.make_rmem_tensor((VEC, self.vecs_per_lane), cutlass.Float32)
             for s in cutlass.range(warp, splits, WARPS, unroll=4):  # 4 partials' loads in flight per warp
                 weight = weights[s] * inv_total
-                src = cute.local_tile(partial_out[first + s, row, None], (COLS,), (part_of_row,))
-                for k in cutlass.range_constexpr(VECS_PER_LANE):
+                src = cute.local_tile(partial_out[first + s, row, None], (self.cols,), (part_of_row,))
+                for k in cutlass.range_constexpr(self.vecs_per_lane):
                     cute.copy(load_atom, cute.local_tile(src, (VEC,), (lane + 32 * k,)), part[None, k])
-                for k in cutlass.range_constexpr(VECS_PER_LANE):
+                for k in cutlass.range_constexpr(self.vecs_per_lane):
                     for i in cutlass.range_constexpr(VEC):
                         acc[i, k] += weight * part[i, k]
-            for k in cutlass.range_constexpr(VECS_PER_LANE):
+            for k in cutlass.range_constexpr(self.vecs_per_lane):
                 for i in cutlass.range_constexpr(VEC):
                     sums[(lane + 32 * k) * VEC + i, warp] = acc[i, k]
             cute.arch.barrier()
 
-            # Thread t < COLS / 2 adds the 8 warps' sums of columns 2t, 2t+1 and stores them as one bf16 pair.
-            if tidx < COLS // 2:
+            # Thread t < cols / 2 adds the 8 warps' sums of columns 2t, 2t+1 and stores them as one bf16 pair.
+            if tidx < self.cols // 2:
                 pair = cute.make_rmem_tensor((2,), cutlass.BFloat16)
                 for i in cutlass.range_constexpr(2):
                     column = tidx * 2 + i
@@ -164,15 +168,22 @@ class CombineSplitsSM90:
 _compiled = {}
 
 
-def compile_combine_sm90(rows: int):
-    """The compiled combine for `rows` query rows per request, cached by that static key. Every run-time value
-    (pointers, batch, slots, plan size, stream) is an argument, so this compiles without a GPU."""
-    if rows not in _compiled:
+def combine_dim_splits(batch: int, rows: int, num_ctas: int) -> int:
+    """CTAs per (request, row): DIM_SPLITS while all rows fit in one wave of num_ctas CTAs, else 1."""
+    return DIM_SPLITS if batch * rows <= num_ctas else 1
+
+
+def compile_combine_sm90(rows: int, dim_splits: int = 1):
+    """The compiled combine for `rows` query rows per request and `dim_splits` CTAs per row, cached by that
+    static key. Every run-time value (pointers, batch, slots, plan size, stream) is an argument, so this
+    compiles without a GPU."""
+    key = (rows, dim_splits)
+    if key not in _compiled:
         args = (gmem_ptr(cutlass.Float32, 16), gmem_ptr(cutlass.Float32, 4), gmem_ptr(cutlass.BFloat16, 16),
                 gmem_ptr(cutlass.Float32, 4), gmem_ptr(cutlass.Int32, 4), gmem_ptr(cutlass.Int32, 4),
                 cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(1), cuda_stream())
-        _compiled[rows] = cute.compile(CombineSplitsSM90(rows), *args)
-    return _compiled[rows]
+        _compiled[key] = cute.compile(CombineSplitsSM90(rows, dim_splits), *args)
+    return _compiled[key]
 
 
 def run_combine_sm90(plan, partial_out: torch.Tensor, partial_lse: torch.Tensor, out: torch.Tensor,
@@ -193,7 +204,7 @@ def run_combine_sm90(plan, partial_out: torch.Tensor, partial_lse: torch.Tensor,
         raise ValueError("partial_out, partial_lse, out, lse and the plan's tensors must be contiguous")
     if partial_out.data_ptr() % 16 or out.data_ptr() % 16:
         raise ValueError("partial_out and out must be 16-byte aligned")
-    fn = compile_combine_sm90(rows)
+    fn = compile_combine_sm90(rows, combine_dim_splits(batch, rows, plan.num_ctas))
     fn(gmem_ptr(cutlass.Float32, 16, partial_out.data_ptr()), gmem_ptr(cutlass.Float32, 4, partial_lse.data_ptr()),
        gmem_ptr(cutlass.BFloat16, 16, out.data_ptr()), gmem_ptr(cutlass.Float32, 4, lse.data_ptr()),
        gmem_ptr(cutlass.Int32, 4, plan.num_splits.data_ptr()),

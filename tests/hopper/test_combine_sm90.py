@@ -4,13 +4,21 @@ import pytest
 import torch
 
 from mla_backend import DecodeWorkspace, plan_splits
-from mla_backend.hopper.combine_sm90 import compile_combine_sm90, run_combine_sm90
+from mla_backend.hopper.combine_sm90 import DIM_SPLITS, combine_dim_splits, compile_combine_sm90, run_combine_sm90
 from mla_backend.reference import merge_partials
 
 
 @pytest.mark.parametrize("rows", [12, 16, 96, 1024])
-def test_combine_compiles_for_sm90a(rows):
-    assert compile_combine_sm90(rows) is not None
+@pytest.mark.parametrize("dim_splits", [1, DIM_SPLITS])
+def test_combine_compiles_for_sm90a(rows, dim_splits):
+    assert compile_combine_sm90(rows, dim_splits) is not None
+
+
+def test_rows_share_ctas_only_while_they_fit_one_wave():
+    assert combine_dim_splits(batch=1, rows=12, num_ctas=132) == DIM_SPLITS
+    assert combine_dim_splits(batch=11, rows=12, num_ctas=132) == DIM_SPLITS
+    assert combine_dim_splits(batch=12, rows=12, num_ctas=132) == 1
+    assert combine_dim_splits(batch=128, rows=12, num_ctas=132) == 1
 
 
 def test_launcher_rejects_strided_buffers_before_launching():
@@ -25,11 +33,12 @@ def test_launcher_rejects_strided_buffers_before_launching():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("heads,q_len", [(12, 1), (16, 4), (128, 2)])
-def test_combine_matches_reference_merge(heads, q_len):
+@pytest.mark.parametrize("heads,q_len,num_ctas", [(12, 1, 40), (12, 1, 132), (16, 4, 40), (128, 2, 40)])
+def test_combine_matches_reference_merge(heads, q_len, num_ctas):
+    """num_ctas 132 gives the 5 x 12 rows four CTAs each (quarters of the columns), the others one."""
     torch.manual_seed(heads)
     seq_lens = torch.tensor([0, 1, 50000, 64, 300000], dtype=torch.int32, device="cuda")
-    plan = plan_splits(seq_lens, q_len=q_len, num_heads=heads, page_size=32, num_ctas=40)
+    plan = plan_splits(seq_lens, q_len=q_len, num_heads=heads, page_size=32, num_ctas=num_ctas)
     ws = DecodeWorkspace.for_plan(plan, q_len, heads)
     ws.partial_out.normal_()
     ws.partial_lse.normal_(mean=3.0, std=4.0)
