@@ -14,8 +14,9 @@ import os
 import statistics
 import sys
 import time
+import dataclasses
 from dataclasses import dataclass, field
-from typing import List
+from typing import List, Optional
 
 import torch
 
@@ -29,6 +30,7 @@ class Case:
     heads: int = 12
     q_len: int = 1
     page_size: int = 32
+    segment_overhead: Optional[int] = None  # the planner's default unless set
     results: dict = field(default_factory=dict)
 
 
@@ -105,7 +107,7 @@ def case_bytes_and_flops(case: Case):
     return bytes_moved, flops
 
 
-def run_case(case: Case, bandwidth: float, fp8_flops: float, reps: int, check: bool):
+def run_case(case: Case, bandwidth: float, fp8_flops: float, reps: int, check: bool, segment_overhead=None):
     from mla_backend import DecodeWorkspace, SplitPlan, mla_decode, mla_decode_reference, plan_splits
 
     torch.manual_seed(0)
@@ -130,7 +132,8 @@ def run_case(case: Case, bandwidth: float, fp8_flops: float, reps: int, check: b
     out = torch.empty(batch, case.q_len, case.heads, LATENT_DIM, dtype=torch.bfloat16, device="cuda")
     lse = torch.empty(batch, case.q_len, case.heads, dtype=torch.float32, device="cuda")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    plan = SplitPlan.empty(batch, sms, device="cuda")
+    overhead = {} if segment_overhead is None else {"segment_overhead": segment_overhead}
+    plan = SplitPlan.empty(batch, sms, device="cuda", **overhead)
     ws = DecodeWorkspace.for_plan(plan, case.q_len, case.heads)
     scale = 1.0 / (KV_DIM ** 0.5)
 
@@ -194,8 +197,10 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mla_backend bench", description=__doc__)
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--extended", action="store_true", help="also H16/H128, page 64, ragged and serving mixes")
-    parser.add_argument("--only", default="", help="run only cases whose name contains this text")
+    parser.add_argument("--only", default="", help="run only cases whose name contains this text ('a|b': either)")
     parser.add_argument("--check", action="store_true", help="compare each case with the reference")
+    parser.add_argument("--segment-overhead", type=int, action="append", default=None,
+                        help="the planner's per-segment cost in tiles (default: the planner's); repeat to compare")
     parser.add_argument("--out-dir", default=os.environ.get("OUT", "bench-results"))
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -206,10 +211,13 @@ def main(argv=None) -> int:
     fp8 = measure_fp8_flops()
     print(f"{torch.cuda.get_device_name(0)}: read bandwidth {bandwidth / 1e12:.2f} TB/s, FP8 GEMM {fp8 / 1e12:.0f} TFLOP/s")
     cases = default_cases() + (extended_cases() if args.extended else [])
-    cases = [c for c in cases if args.only in c.name]
+    cases = [c for c in cases if any(part in c.name for part in args.only.split("|"))]
+    if args.segment_overhead:  # one row per (case, overhead), named by the overhead
+        cases = [dataclasses.replace(c, name=f"{c.name} overhead {o}", segment_overhead=o, results={})
+                 for c in cases for o in args.segment_overhead]
     for case in cases:
         t0 = time.perf_counter()
-        run_case(case, bandwidth, fp8, args.reps, args.check)
+        run_case(case, bandwidth, fp8, args.reps, args.check, case.segment_overhead)
         r = case.results
         print(f"  {case.name:<28} {r['time_us']:9.1f} us  floor {r['floor_us']:8.1f} us  ratio {r['ratio']:5.2f}"
               + f"  planner {r['planner_us']:5.1f} us  combine {r['combine_us']:5.1f} us"
