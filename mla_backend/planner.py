@@ -22,6 +22,7 @@ The plan is consumed as:
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -176,9 +177,14 @@ def plan_splits(seq_lens: Tensor, *, q_len: int, num_heads: int, page_size: int,
     return plan
 
 
+@functools.lru_cache(maxsize=None)
+def cuda_major(device: torch.device) -> int:
+    """Compute capability major of a CUDA device, looked up once (eager calls ask on every step)."""
+    return torch.cuda.get_device_capability(device)[0]
+
+
 def _planner_kernel_available(seq_lens: Tensor) -> bool:
-    return (seq_lens.is_cuda and not torch.compiler.is_compiling()
-            and torch.cuda.get_device_capability(seq_lens.device)[0] == 9)
+    return seq_lens.is_cuda and not torch.compiler.is_compiling() and cuda_major(seq_lens.device) == 9
 
 
 def _plan_with_torch(seq_lens: Tensor, plan: SplitPlan) -> None:
