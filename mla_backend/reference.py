@@ -29,9 +29,9 @@ def gather_request_kv(kv_cache: Tensor, block_table: Tensor, request: int, end: 
     it by default)."""
     num_pages, page_size = kv_cache.shape[0], kv_cache.shape[1]
     width = block_table.shape[1]
-    tokens = torch.arange(first, max(first, end), device=kv_cache.device)
     if width < 1:
         raise ValueError("block_table must have at least one column")
+    tokens = torch.arange(first, max(first, end), device=kv_cache.device)
     entries = block_table[request].long()[(tokens // page_size).clamp(max=width - 1)]
     valid = (entries >= 0) & (entries < num_pages)
     rows = kv_cache[entries.clamp(0, max(num_pages - 1, 0)), tokens % page_size].float()

@@ -1,15 +1,16 @@
 """Merge the split-KV partials of each request by their LSE (SM90, CuTe DSL).
 
-One CTA of 8 warps per (request, query row, quarter of the 512 columns): it reads the split count and
-workspace offset from the plan, so the grid is fixed (batch x rows x 4) and needs no host reads. Requests with one split exit at once: the decode
-kernel already wrote their final output. Requests without KV (no split at all) get out = 0, lse = -inf here,
-since no decode CTA visits them.
+One CTA of 8 warps per (request, query row), or per quarter of the row's 512 columns while the batch's rows
+fit one wave: it reads the split count and workspace offset from the plan, so the grid is fixed (batch x rows
+x 1 or 4, chosen from shapes the host knows) and needs no host reads. Requests with one split exit at once:
+the decode kernel already wrote their final output. Requests without KV (no split at all) get out = 0,
+lse = -inf here, since no decode CTA visits them.
 
 Why a CTA per row and not a warp: a long request is cut into up to one split per SM (132 on an H200), and a
 warp walking 132 partials one after the other waits on 132 dependent round trips to memory (the first
 version spent ~100 us there for a single 128K request). Here the split LSEs are read by all 256 threads at
 once and reduced across the CTA, and the 8 warps take every 8th partial each, so about 17 partial rows per
-warp, four at a time (unrolled); each lane owns 4 of the CTA's 128 columns as one 16-byte vector.
+warp, four at a time (unrolled); each lane owns 16-byte vectors of the CTA's 512 or 128 columns.
 The warps' sums are added through shared memory at the end.
 
 out = sum_s exp(lse_s - lse) * O_s, lse = log(sum_s exp(lse_s)), computed in base 2; a row whose partials

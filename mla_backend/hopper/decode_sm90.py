@@ -17,7 +17,9 @@ Data path: FP8 end to end on the tensor cores (wgmma)
   r, 16-byte piece c of block kb) at kb * 8 KB + r * 128 + ((c ^ (r % 8)) * 16). Thread t copies token t / 4,
   pieces t % 4 + 4i; its block-table entry is read one chunk ahead, because a dependent global read right
   before the copies stalled every warp once per chunk (-7% step time). Tokens past the segment end are
-  zero-filled in shared memory (never loaded), so the block table is never read past ceil(L_b / page_size).
+  zero-filled in shared memory (never loaded), so the block table is never read past ceil(L_b / page_size);
+  whatever the metadata (unchecked inside CUDA graphs), page indices are clamped to the table's width and
+  entries outside the cache zero-fill instead of loading.
 - The FP8 chunk is used as it landed, for both products: the latent is read from DRAM once per CTA.
   * S^T = K.Q^T with wgmma m64 x ROWS x k32: tokens fill the 64 M rows and the query rows are N (16 or 32),
     so 12 or 16 heads do not pad M = 64 four- to five-fold. Warpgroup wg runs the 9 k32 steps of its half of
