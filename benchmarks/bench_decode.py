@@ -14,8 +14,7 @@ import os
 import statistics
 import sys
 import time
-import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import List, Optional
 
 import torch
@@ -107,7 +106,7 @@ def case_bytes_and_flops(case: Case):
     return bytes_moved, flops
 
 
-def run_case(case: Case, bandwidth: float, fp8_flops: float, reps: int, check: bool, segment_overhead=None):
+def run_case(case: Case, bandwidth: float, fp8_flops: float, reps: int, check: bool):
     from mla_backend import DecodeWorkspace, SplitPlan, mla_decode, mla_decode_reference, plan_splits
 
     torch.manual_seed(0)
@@ -132,7 +131,7 @@ def run_case(case: Case, bandwidth: float, fp8_flops: float, reps: int, check: b
     out = torch.empty(batch, case.q_len, case.heads, LATENT_DIM, dtype=torch.bfloat16, device="cuda")
     lse = torch.empty(batch, case.q_len, case.heads, dtype=torch.float32, device="cuda")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    overhead = {} if segment_overhead is None else {"segment_overhead": segment_overhead}
+    overhead = {} if case.segment_overhead is None else {"segment_overhead": case.segment_overhead}
     plan = SplitPlan.empty(batch, sms, device="cuda", **overhead)
     ws = DecodeWorkspace.for_plan(plan, case.q_len, case.heads)
     scale = 1.0 / (KV_DIM ** 0.5)
@@ -213,11 +212,11 @@ def main(argv=None) -> int:
     cases = default_cases() + (extended_cases() if args.extended else [])
     cases = [c for c in cases if any(part in c.name for part in args.only.split("|"))]
     if args.segment_overhead:  # one row per (case, overhead), named by the overhead
-        cases = [dataclasses.replace(c, name=f"{c.name} overhead {o}", segment_overhead=o, results={})
+        cases = [replace(c, name=f"{c.name} overhead {o}", segment_overhead=o, results={})
                  for c in cases for o in args.segment_overhead]
     for case in cases:
         t0 = time.perf_counter()
-        run_case(case, bandwidth, fp8, args.reps, args.check, case.segment_overhead)
+        run_case(case, bandwidth, fp8, args.reps, args.check)
         r = case.results
         print(f"  {case.name:<28} {r['time_us']:9.1f} us  floor {r['floor_us']:8.1f} us  ratio {r['ratio']:5.2f}"
               + f"  planner {r['planner_us']:5.1f} us  combine {r['combine_us']:5.1f} us"

@@ -22,23 +22,22 @@ _pointers = {}
 _streams = {}
 
 
+def _cached(cache: dict, key, make):
+    value = cache.get(key)
+    if value is None:
+        if len(cache) >= _CACHE_LIMIT:
+            cache.clear()
+        value = cache[key] = make()
+    return value
+
+
 def gmem_ptr(dtype, align: int, address: int = _COMPILE_ADDRESS):
     """A global-memory pointer of `dtype` that the kernel may assume `align`-byte aligned."""
-    key = (dtype, align, address)
-    ptr = _pointers.get(key)
-    if ptr is None:
-        if len(_pointers) >= _CACHE_LIMIT:
-            _pointers.clear()
-        ptr = _pointers[key] = make_ptr(dtype, address, cute.AddressSpace.gmem, assumed_align=align)
-    return ptr
+    return _cached(_pointers, (dtype, align, address),
+                   lambda: make_ptr(dtype, address, cute.AddressSpace.gmem, assumed_align=align))
 
 
 def cuda_stream(stream=None):
     """The CUstream of a torch.cuda.Stream (None: the null stream, for compilation)."""
     handle = 0 if stream is None else stream.cuda_stream
-    cu_stream = _streams.get(handle)
-    if cu_stream is None:
-        if len(_streams) >= _CACHE_LIMIT:
-            _streams.clear()
-        cu_stream = _streams[handle] = cuda.CUstream(handle)
-    return cu_stream
+    return _cached(_streams, handle, lambda: cuda.CUstream(handle))
