@@ -47,7 +47,10 @@ Rows per block
 --------------
 ROWS is 16 when R = q_len * H <= 16 and 32 otherwise; R > ROWS uses several row blocks, each of which reads
 the KV again (from L2 when its neighbours in the grid run at the same time). 96 rows (H 12, q_len 8) in one
-block would need 192 KB of fp32 O^T, more than the register file.
+block would need 192 KB of fp32 O^T, more than the register file. 48- and 64-row blocks (rows_per_block, not
+yet the default: they are unmeasured) cut the passes (q_len 8 x H 12: 2 instead of 3; H 128: 2 instead of 4)
+with 3 ring stages and one S^T buffer; 64 rows hold 128 O^T and 32 S^T accumulators per thread (247
+registers, no spills).
 
 Pipeline
 --------
@@ -112,6 +115,10 @@ def default_rows_per_block(num_heads: int, q_len: int) -> int:
     return 16 if num_heads * q_len <= 16 else 32
 
 
+def default_num_stages(rows_per_block: int) -> int:
+    return 4 if rows_per_block <= 32 else 3
+
+
 class MLADecodeSM90:
     """Static configuration and code of the split-KV decode kernel (see the module docstring)."""
 
@@ -123,15 +130,13 @@ class MLADecodeSM90:
         tile_tokens: int = 64,
         causal: bool = True,
         rows_per_block: Optional[int] = None,
-        num_stages: int = 4,
+        num_stages: Optional[int] = None,
         pingpong: Optional[bool] = None,
     ):
         if page_size <= 0 or page_size & (page_size - 1):
             raise ValueError(f"page_size must be a power of two, got {page_size}")
         if tile_tokens <= 0 or (tile_tokens % page_size and page_size % tile_tokens):
             raise ValueError(f"tile_tokens ({tile_tokens}) and page_size ({page_size}) must divide one another")
-        if num_stages < 3:
-            raise ValueError(f"num_stages must be at least 3 (chunks ci, ci + 1 in use, one in flight), got {num_stages}")
         self.num_heads = num_heads
         self.q_len = q_len
         self.num_rows = num_heads * q_len  # R
@@ -139,8 +144,15 @@ class MLADecodeSM90:
         self.tile_tokens = tile_tokens
         self.causal = bool(causal)
         self.rows = rows_per_block or default_rows_per_block(num_heads, q_len)
-        if self.rows not in (16, 32):
-            raise ValueError(f"rows_per_block must be 16 or 32, got {self.rows}")
+        if self.rows not in (16, 32, 48, 64):
+            raise ValueError(f"rows_per_block must be 16, 32, 48 or 64, got {self.rows}")
+        # 48- and 64-row blocks fit shared memory with 3 ring stages and one S^T buffer only (Q and the S^T
+        # partials grow with the rows). One buffer is enough: the partials of chunk ci + 1 are stored after the
+        # second barrier of iteration ci, which every thread passes only once its softmax of chunk ci is done.
+        self.s_buffers = 2 if self.rows <= 32 else 1
+        num_stages = default_num_stages(self.rows) if num_stages is None else num_stages
+        if num_stages < 3:
+            raise ValueError(f"num_stages must be at least 3 (chunks ci, ci + 1 in use, one in flight), got {num_stages}")
         self.num_row_blocks = (self.num_rows + self.rows - 1) // self.rows
         self.chunk = CHUNK
         self.num_threads = NUM_THREADS
@@ -153,8 +165,11 @@ class MLADecodeSM90:
         self.pingpong = (self.rows == 16 and num_stages == 4) if pingpong is None else bool(pingpong)
         if self.pingpong and (self.rows != 16 or num_stages != 4):
             raise ValueError("the ping-pong schedule needs 16-row blocks and 4 stages (2 per warpgroup)")
-        # softmax threads per row: 16 or 8 (both warpgroups on one chunk), 8 (one warpgroup per chunk)
-        self.tpr = (NUM_THREADS // 2 if self.pingpong else NUM_THREADS) // self.rows
+        # softmax threads per row: 16, 8 or 4 (both warpgroups on one chunk), 8 (one warpgroup per chunk); a
+        # power of two for the shuffle reductions, so with 48 rows only the first 192 threads run the softmax
+        threads = NUM_THREADS // 2 if self.pingpong else NUM_THREADS
+        self.tpr = 1 << ((threads // self.rows).bit_length() - 1)
+        self.softmax_threads = self.tpr * self.rows
         self.words_per_thread = (self.chunk // 4) // self.tpr  # P words (4 tokens) per softmax thread
 
     @cute.jit
@@ -221,7 +236,7 @@ class MLADecodeSM90:
         class SharedStorage:
             ring: cute.struct.Align[cute.struct.MemRange[FP8, NS * C * 128 * KV_BLOCKS], 1024]
             q: cute.struct.Align[cute.struct.MemRange[FP8, ROWS * 128 * KV_BLOCKS], 1024]
-            s: cute.struct.Align[cute.struct.MemRange[Float32, 2 * S_K_GROUPS * ROWS * S_STRIDE], 128]
+            s: cute.struct.Align[cute.struct.MemRange[Float32, self.s_buffers * S_K_GROUPS * ROWS * S_STRIDE], 128]
             p: cute.struct.Align[cute.struct.MemRange[FP8, 2 * 2 * ROWS * 64], 128]
             alpha: cute.struct.Align[cute.struct.MemRange[Float32, 2 * ROWS], 16]
             inv_l: cute.struct.Align[cute.struct.MemRange[Float32, ROWS], 16]
@@ -276,6 +291,7 @@ class MLADecodeSM90:
         ROWS = self.rows
         NS = self.num_stages
         TPR = self.tpr
+        SB = self.s_buffers
         PIECES = KV_DIM // 16  # 16-byte pieces per token row
         NA = ROWS // 2  # accumulators per m64 tile of S^T or O^T
         WGT = NUM_THREADS // 2  # threads per warpgroup
@@ -325,9 +341,9 @@ class MLADecodeSM90:
             soft_tid = tw
             num_o_tiles = 8  # each warpgroup accumulates all 512 dims
         else:
-            # S^T partials: (row, token, k half = warpgroup, buffer = chunk % 2)
+            # S^T partials: (row, token, k half = warpgroup, buffer = chunk % SB)
             sS = storage.s.get_tensor(cute.make_layout(
-                (ROWS, C, S_K_GROUPS, 2), stride=(S_STRIDE, 1, ROWS * S_STRIDE, S_K_GROUPS * ROWS * S_STRIDE)))
+                (ROWS, C, S_K_GROUPS, SB), stride=(S_STRIDE, 1, ROWS * S_STRIDE, S_K_GROUPS * ROWS * S_STRIDE)))
             # P words: (word w of the row = tokens pi(4w..4w+3), row, plane) in the core-matrix layout
             sPw = cute.make_tensor(cute.recast_ptr(storage.p.data_ptr(), dtype=Int32), cute.make_layout(
                 ((4, 4), (8, ROWS // 8), 2), stride=((1, P_LBO // 4), (4, P_SBO // 4), ROWS * 16)))
@@ -514,7 +530,7 @@ class MLADecodeSM90:
                     self._store_s(acc_S, sS[None, None, None, 0], wg, wl, lg, lt)
 
                 # Software pipeline: iteration ci issues S^T of chunk ci + 1 on the tensor cores, runs the softmax
-                # of chunk ci (its S^T partials are in sS[ci % 2]) meanwhile, then P.V of chunk ci; two CTA
+                # of chunk ci (its S^T partials are in sS[ci % SB]) meanwhile, then P.V of chunk ci; two CTA
                 # barriers per chunk instead of three.
                 for ci in range(n_chunks):
                     stage = ci % NS
@@ -532,11 +548,12 @@ class MLADecodeSM90:
                     if ci + 1 < n_chunks:
                         self._issue_s(acc_S, ring_addr, q_addr, (ci + 1) % NS, wg * KSTEPS, KSTEPS)
 
-                    row_max, row_sum, alpha = self._softmax_chunk(
-                        sS[None, None, None, ci % 2], sPw, row_max, row_sum, chunk_tok0, row_end, scale_log2, srow,
-                        ssub)
-                    if ssub == 0:
-                        sAlpha[srow] = alpha
+                    if srow < ROWS:  # all threads but with 48 rows (then warps 6 and 7 skip it)
+                        row_max, row_sum, alpha = self._softmax_chunk(
+                            sS[None, None, None, ci % SB], sPw, row_max, row_sum, chunk_tok0, row_end, scale_log2,
+                            srow, ssub)
+                        if ssub == 0:
+                            sAlpha[srow] = alpha
                     cute.arch.barrier()
 
                     self._rescale_o(acc_O, sAlpha, lt)
@@ -545,10 +562,10 @@ class MLADecodeSM90:
                     for i in cutlass.range_constexpr(4 * NA):
                         acc_O[i] = fence_operand(acc_O[i])
                     if ci + 1 < n_chunks:
-                        self._store_s(acc_S, sS[None, None, None, (ci + 1) % 2], wg, wl, lg, lt)
+                        self._store_s(acc_S, sS[None, None, None, (ci + 1) % SB], wg, wl, lg, lt)
 
                 cute.arch.cp_async_wait_group(0)
-                if ssub == 0:
+                if ssub == 0 and srow < ROWS:
                     self._finish_row(row_max, row_sum, k_scale, sInvL, mLse, mPLse, srow, srow_g, b, split, slot)
                 cute.arch.barrier()
 
@@ -779,6 +796,7 @@ _COMPILED = {}
 
 def _static_key(num_heads, q_len, page_size, tile_tokens, causal, rows_per_block, num_stages, pingpong, arch):
     rows = rows_per_block or default_rows_per_block(num_heads, q_len)
+    num_stages = default_num_stages(rows) if num_stages is None else num_stages
     if pingpong is None:
         pingpong = rows == 16 and num_stages == 4
     return (int(num_heads), int(q_len), int(page_size), int(tile_tokens), bool(causal), int(rows),
@@ -786,7 +804,8 @@ def _static_key(num_heads, q_len, page_size, tile_tokens, causal, rows_per_block
 
 
 def compile_decode_sm90(num_heads: int, q_len: int, page_size: int, tile_tokens: int = 64, causal: bool = True,
-                        rows_per_block: Optional[int] = None, num_stages: int = 4, pingpong: Optional[bool] = None,
+                        rows_per_block: Optional[int] = None, num_stages: Optional[int] = None,
+                        pingpong: Optional[bool] = None,
                         arch: str = "sm_90a"):
     """Compile (once per static key) and return the kernel's launcher function.
 
@@ -799,7 +818,7 @@ def compile_decode_sm90(num_heads: int, q_len: int, page_size: int, tile_tokens:
     if fn is not None:
         return fn
     op = MLADecodeSM90(num_heads, q_len, page_size, tile_tokens, causal, rows_per_block=key[5],
-                       num_stages=num_stages, pingpong=key[7])
+                       num_stages=key[6], pingpong=key[7])
     ptr = gmem_ptr
     args = (
         ptr(FP8, 16), ptr(FP8, 16), ptr(Int32, 4), ptr(Int32, 4), ptr(Float32, 4), ptr(Float32, 4),

@@ -46,6 +46,24 @@ def test_compiles(num_heads, q_len, page_size, tile_tokens, causal):
                                causal=causal, arch="sm_90a") is fn
 
 
+def test_48_and_64_row_blocks_compile_with_three_stages():
+    """48 and 64 rows fit shared memory with 3 ring stages and one S^T buffer; with 48 rows the softmax runs on
+    192 threads (4 per row)."""
+    from mla_backend.hopper.decode_sm90 import SM90_SMEM_CAPACITY, MLADecodeSM90, compile_decode_sm90
+
+    op = MLADecodeSM90(12, 8, 32, rows_per_block=48)
+    assert (op.num_stages, op.s_buffers, op.tpr, op.softmax_threads, op.num_row_blocks) == (3, 1, 4, 192, 2)
+    assert MLADecodeSM90(128, 1, 64, rows_per_block=48).num_row_blocks == 3  # 128 rows: the last block 32
+    op = MLADecodeSM90(128, 1, 64, rows_per_block=64)
+    assert (op.num_stages, op.s_buffers, op.tpr, op.softmax_threads, op.num_row_blocks) == (3, 1, 4, 256, 2)
+    assert MLADecodeSM90(12, 8, 32).s_buffers == 2  # 32 rows keep the double-buffered partials
+    for h, q, rows in ((12, 8, 48), (128, 1, 48), (128, 1, 64), (12, 8, 64)):
+        fn = compile_decode_sm90(h, q, 32, rows_per_block=rows, arch="sm_90a")
+        assert fn.decode_op.rows == rows and fn.decode_op.shared_storage_bytes <= SM90_SMEM_CAPACITY
+    with pytest.raises(ValueError, match="16, 32, 48 or 64"):
+        MLADecodeSM90(12, 8, 32, rows_per_block=96)
+
+
 def test_pingpong_is_the_16_row_default_and_needs_16_rows():
     from mla_backend.hopper.decode_sm90 import MLADecodeSM90, compile_decode_sm90
 
@@ -62,16 +80,18 @@ _PTX_SCRIPT = """
 import sys
 sys.path.insert(0, {repo!r})
 from mla_backend.hopper.decode_sm90 import compile_decode_sm90
-compile_decode_sm90(num_heads={h}, q_len={q}, page_size={p}, causal=True, arch="sm_90a")
+compile_decode_sm90(num_heads={h}, q_len={q}, page_size={p}, causal=True, rows_per_block={rows}, arch="sm_90a")
 """
 
 
-@pytest.mark.parametrize("num_heads,q_len,page_size", [(12, 1, 32), (16, 2, 64), (12, 8, 32), (128, 8, 32)])
-def test_no_spills(tmp_path, num_heads, q_len, page_size):
+@pytest.mark.parametrize("num_heads,q_len,page_size,rows", [(12, 1, 32, None), (16, 2, 64, None), (12, 8, 32, None),
+                                                            (128, 8, 32, None), (12, 8, 32, 48), (128, 1, 64, 48),
+                                                            (128, 1, 64, 64)])
+def test_no_spills(tmp_path, num_heads, q_len, page_size, rows):
     ptxas = shutil.which("ptxas")
     assert ptxas, "ptxas (CUDA 12.8+ / 13) must be on PATH: the spill check is part of the CPU suite"
     env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="ptx", CUTE_DSL_DUMP_DIR=str(tmp_path))
-    script = _PTX_SCRIPT.format(repo=REPO, h=num_heads, q=q_len, p=page_size)
+    script = _PTX_SCRIPT.format(repo=REPO, h=num_heads, q=q_len, p=page_size, rows=rows)
     subprocess.run([sys.executable, "-c", script], env=env, check=True, cwd=str(tmp_path))
     ptx = glob.glob(str(tmp_path / "*.ptx"))
     assert ptx, "no PTX kept"
@@ -104,21 +124,31 @@ def _merge_kernel_outputs(plan, seq_lens, out, lse, partial_out, partial_lse):
     return out, lse
 
 
+PINGPONG_OFF = {"pingpong": False}
+ROWS_48 = {"rows_per_block": 48}
+ROWS_64 = {"rows_per_block": 64}
+
 GPU_CASES = [
-    # (num_heads, q_len, page_size, tile_tokens, causal, lengths, num_ctas, pingpong)
-    (12, 1, 32, 64, True, [1, 31, 32, 33, 65, 700, 4000, 130], 16, None),
-    (12, 1, 32, 64, True, [1, 31, 32, 33, 65, 700, 4000, 130], 16, False),  # 16 rows, both warpgroups per chunk
-    (8, 2, 64, 32, True, [2, 63, 64, 65, 129, 3000, 17, 900, 0], 11, None),
-    (16, 2, 64, 64, True, [2, 63, 64, 65, 129, 3000, 17, 900], 12, None),
-    (128, 8, 32, 64, True, [8, 100, 1000], 8, None),
-    (8, 1, 64, 64, False, [0, 1, 64, 2000, 0, 333], 7, None),
-    (16, 4, 64, 32, True, [4, 5, 64, 1500, 77], 9, None),
+    # (num_heads, q_len, page_size, tile_tokens, causal, lengths, num_ctas, kernel options)
+    (12, 1, 32, 64, True, [1, 31, 32, 33, 65, 700, 4000, 130], 16, {}),
+    (12, 1, 32, 64, True, [1, 31, 32, 33, 65, 700, 4000, 130], 16, PINGPONG_OFF),  # 16 rows, both warpgroups
+    (8, 2, 64, 32, True, [2, 63, 64, 65, 129, 3000, 17, 900, 0], 11, {}),
+    (16, 2, 64, 64, True, [2, 63, 64, 65, 129, 3000, 17, 900], 12, {}),
+    (128, 8, 32, 64, True, [8, 100, 1000], 8, {}),
+    (8, 1, 64, 64, False, [0, 1, 64, 2000, 0, 333], 7, {}),
+    (16, 4, 64, 32, True, [4, 5, 64, 1500, 77], 9, {}),
+    (12, 8, 32, 64, True, [8, 9, 100, 1000, 4000, 65], 9, ROWS_48),  # 96 rows: two full 48-row blocks
+    (128, 1, 64, 64, True, [1, 700, 3000, 64], 8, ROWS_48),  # 128 rows: the third block has 32
+    (16, 2, 32, 32, True, [2, 63, 64, 65, 1500], 6, ROWS_48),  # 32 rows in one block, 16 of them padding
+    (128, 1, 64, 64, True, [1, 700, 3000, 64], 8, ROWS_64),  # 128 rows: two 64-row blocks
+    (16, 4, 32, 64, True, [4, 5, 64, 1500, 77], 9, ROWS_64),  # 64 rows in one block
+    (12, 8, 32, 64, True, [8, 9, 100, 1000, 4000, 65], 9, ROWS_64),  # 96 rows: 64, then 32 and 32 padding
 ]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("num_heads,q_len,page_size,tile_tokens,causal,lengths,num_ctas,pingpong", GPU_CASES)
-def test_matches_reference_gpu(num_heads, q_len, page_size, tile_tokens, causal, lengths, num_ctas, pingpong):
+@pytest.mark.parametrize("num_heads,q_len,page_size,tile_tokens,causal,lengths,num_ctas,options", GPU_CASES)
+def test_matches_reference_gpu(num_heads, q_len, page_size, tile_tokens, causal, lengths, num_ctas, options):
     sys.path.insert(0, os.path.join(REPO, "tests"))
     from mla_inputs import make_decode_inputs
 
@@ -138,7 +168,7 @@ def test_matches_reference_gpu(num_heads, q_len, page_size, tile_tokens, causal,
     partial_out = torch.full((plan.num_slots, q_len, num_heads, 512), float("nan"), device=dev)
     partial_lse = torch.full((plan.num_slots, q_len, num_heads), float("nan"), device=dev)
     run_decode_sm90(q, kv, bt, seq, softmax_scale, qs, ks, plan, out, lse, partial_out, partial_lse,
-                    causal=causal, pingpong=pingpong)
+                    causal=causal, **options)
     torch.cuda.synchronize()
     got_out, got_lse = _merge_kernel_outputs(plan, seq, out, lse, partial_out, partial_lse)
     ref_out, ref_lse = mla_decode_reference(q, kv, bt, seq, softmax_scale=softmax_scale, q_scale=qs, k_scale=ks,
