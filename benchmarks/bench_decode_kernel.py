@@ -135,7 +135,7 @@ def main(argv=None) -> int:
                    help='"heads q_len page kv batch"; repeatable; replaces --heads/--q-len/--page/--kv/--batch')
     p.add_argument("--variant", action="append", default=[], help="a copy of decode_sm90.py to time as well")
     p.add_argument("--rows-per-block", type=int, default=None,
-                   help="query rows per CTA (16, 32 or 48; default: 16 up to 16 rows, else 32)")
+                   help="query rows per CTA (16, 32, 48 or 64; default: decode_sm90.default_rows_per_block)")
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--per-round", type=int, default=5)
     args = p.parse_args(argv)

@@ -45,19 +45,21 @@ Data path: FP8 end to end on the tensor cores (wgmma)
 
 Rows per block
 --------------
-ROWS is 16 when R = q_len * H <= 16 and 32 otherwise; R > ROWS uses several row blocks, each of which reads
-the KV again (from L2 when its neighbours in the grid run at the same time). 96 rows (H 12, q_len 8) in one
-block would need 192 KB of fp32 O^T, more than the register file. 48- and 64-row blocks (rows_per_block, not
-yet the default: they are unmeasured) cut the passes (q_len 8 x H 12: 2 instead of 3; H 128: 2 instead of 4)
-with 3 ring stages and one S^T buffer; 64 rows hold 128 O^T and 32 S^T accumulators per thread (247
-registers, no spills).
+ROWS is 16 when R = q_len * H <= 16 (the ping-pong schedule below); otherwise the fewest row blocks of 32, 48 or
+64 rows, the smallest on a tie (H 16 q_len 2: 32; H 12 q_len 4 and 8: 48; H 128: 64). R > ROWS uses several row
+blocks, each of which reads the KV again (from L2 when its neighbours in the grid run at the same time). 96 rows
+(H 12, q_len 8) in one block would need 192 KB of fp32 O^T, more than the register file. 48 and 64 rows run 3
+ring stages and one S^T buffer (64 rows: 128 O^T and 32 S^T accumulators per thread, 248 registers, no spills).
+Against 32-row blocks on the H200 (decode alone): H12 q8 1M x B1 630.6 -> 548.4 us, H128 q1 128K x B4 433.1 ->
+327.7, H12 q4 1M x B1 429.1 -> 285.8.
 
 Pipeline
 --------
 Per 64-token chunk ci: one CTA barrier (chunk ci + 1 landed, the S^T partials of chunk ci are in shared memory),
-the cp.async of chunk ci + 3, the S^T wgmmas of chunk ci + 1 issued without waiting, the softmax of chunk ci, a
-second barrier (P and the row rescale written), P.V of chunk ci, then the wait for both wgmma groups and the S^T
-partials of chunk ci + 1 stored (double-buffered). Three barriers with S^T in its own iteration measured 4% slower.
+the cp.async of chunk ci + 3, the S^T wgmmas of chunk ci + 1 issued without waiting, the V^T registers of chunk
+ci (ldmatrix, so they load under the softmax: -2% at q_len 8), the softmax of chunk ci, a second barrier (P and
+the row rescale written), P.V of chunk ci, then the wait for both wgmma groups and the S^T partials of chunk ci + 1
+stored (double-buffered below 48 rows). Three barriers with S^T in its own iteration measured 4% slower.
 
 16-row blocks (q_len x H <= 16, the TP8 decode case) run a ping-pong schedule instead:
 warpgroup w takes the chunks 2j + w (ring stages w and w + 2, loading its own chunks one ahead) and runs all of
@@ -70,7 +72,8 @@ alone); with 32 rows it would need 128 O^T accumulators per thread, and 16-row b
 (a second pass over the KV).
 
 Shared memory per CTA (4 stages): 160 KB ring + 5 x ROWS x 128 B Q + 2 x 2 x ROWS x 72 x 4 B S partials +
-2 x ROWS x 64 B P (~190 KB for ROWS 16, ~220 KB for ROWS 32).
+2 x ROWS x 64 B P (~190 KB for ROWS 16, ~220 KB for ROWS 32); 3 stages and one S^T buffer: ~191 KB for ROWS 48,
+~214 KB for ROWS 64.
 """
 
 from __future__ import annotations
@@ -112,7 +115,12 @@ BF16 = cutlass.BFloat16
 
 
 def default_rows_per_block(num_heads: int, q_len: int) -> int:
-    return 16 if num_heads * q_len <= 16 else 32
+    rows = num_heads * q_len
+    if rows <= 16:
+        return 16
+    # each row block reads the whole KV span once more, so the fewest blocks; among equals the smallest block
+    # (fewer padded rows, more registers left)
+    return min((32, 48, 64), key=lambda size: (-(-rows // size), size))
 
 
 def default_num_stages(rows_per_block: int) -> int:
@@ -547,6 +555,8 @@ class MLADecodeSM90:
                     stage_addr = ring_addr + stage * (C * 128 * KV_BLOCKS)
                     if ci + 1 < n_chunks:
                         self._issue_s(acc_S, ring_addr, q_addr, (ci + 1) % NS, wg * KSTEPS, KSTEPS)
+                    # V^T of chunk ci into registers now, under the softmax, not after the second barrier
+                    a_regs = self._load_vt(stage_addr, wg * 4, wl, lane)
 
                     if srow < ROWS:  # all threads but with 48 rows (then warps 6 and 7 skip it)
                         row_max, row_sum, alpha = self._softmax_chunk(
@@ -557,7 +567,7 @@ class MLADecodeSM90:
                     cute.arch.barrier()
 
                     self._rescale_o(acc_O, sAlpha, lt)
-                    self._issue_pv(acc_O, stage_addr, p_addr, 0, wg * 4, wl, lane)
+                    self._issue_pv_regs(acc_O, a_regs, p_addr, 0)
                     wgmma_wait(0)  # P.V of chunk ci and S^T of chunk ci + 1
                     for i in cutlass.range_constexpr(4 * NA):
                         acc_O[i] = fence_operand(acc_O[i])
@@ -656,9 +666,12 @@ class MLADecodeSM90:
         """Issue (and commit) O^T += V^T.P^T for 4 m64 tiles of dims: accumulator tiles [acc_tile0, + 4) are the
         dim tiles [dim_tile0, + 4). All A registers first (32 per thread), then one fence and 16 back-to-back
         wgmmas (2 k32 steps x the hi and lo planes of P)."""
+        self._issue_pv_regs(acc_O, self._load_vt(stage_addr, dim_tile0, wl, lane), p_addr, acc_tile0)
+
+    @cute.jit
+    def _load_vt(self, stage_addr: Int32, dim_tile0: Int32, wl: Int32, lane: Int32):
+        """The A registers of P.V for 4 m64 tiles of dims (32 per thread): V^T by ldmatrix.trans + prmt."""
         C = self.chunk
-        ROWS = self.rows
-        NA = ROWS // 2
         a_regs = []
         for t in cutlass.range_constexpr(4):
             tile = dim_tile0 + t
@@ -668,6 +681,14 @@ class MLADecodeSM90:
                 m = ldmatrix_x4(v_addr + ks * 32 * 128, True)
                 a_regs.append((prmt(m[0], m[1], 0x6420), prmt(m[0], m[1], 0x7531),
                                prmt(m[2], m[3], 0x6420), prmt(m[2], m[3], 0x7531)))
+        return a_regs
+
+    @cute.jit
+    def _issue_pv_regs(self, acc_O: cute.Tensor, a_regs, p_addr: Int32, acc_tile0: cutlass.Constexpr):
+        """Issue (and commit) the 16 P.V wgmmas on A registers from `_load_vt`."""
+        C = self.chunk
+        ROWS = self.rows
+        NA = ROWS // 2
         wgmma_fence()
         for t in cutlass.range_constexpr(4):
             at = acc_tile0 + t

@@ -29,7 +29,7 @@ SHAPES = [
     (128, 8, 32, 64, True),
     (8, 1, 64, 64, False),
     (16, 4, 64, 32, True),
-    (12, 8, 32, 64, True),  # MTP verify: 96 rows in 3 row blocks
+    (12, 8, 32, 64, True),  # MTP verify: 96 rows in 2 row blocks of 48
     (64, 1, 64, 64, False),
 ]
 
@@ -56,12 +56,24 @@ def test_48_and_64_row_blocks_compile_with_three_stages():
     assert MLADecodeSM90(128, 1, 64, rows_per_block=48).num_row_blocks == 3  # 128 rows: the last block 32
     op = MLADecodeSM90(128, 1, 64, rows_per_block=64)
     assert (op.num_stages, op.s_buffers, op.tpr, op.softmax_threads, op.num_row_blocks) == (3, 1, 4, 256, 2)
-    assert MLADecodeSM90(12, 8, 32).s_buffers == 2  # 32 rows keep the double-buffered partials
+    assert MLADecodeSM90(12, 8, 32, rows_per_block=32).s_buffers == 2  # 32 rows keep the double-buffered partials
     for h, q, rows in ((12, 8, 48), (128, 1, 48), (128, 1, 64), (12, 8, 64)):
         fn = compile_decode_sm90(h, q, 32, rows_per_block=rows, arch="sm_90a")
         assert fn.decode_op.rows == rows and fn.decode_op.shared_storage_bytes <= SM90_SMEM_CAPACITY
     with pytest.raises(ValueError, match="16, 32, 48 or 64"):
         MLADecodeSM90(12, 8, 32, rows_per_block=96)
+
+
+def test_default_rows_per_block_takes_the_fewest_row_blocks():
+    """Each row block reads the KV span again: the fewest blocks, the smallest block among equals."""
+    from mla_backend.hopper.decode_sm90 import MLADecodeSM90, default_rows_per_block
+
+    expected = {(12, 1): 16, (16, 1): 16, (8, 2): 16, (16, 2): 32, (12, 2): 32, (12, 4): 48, (16, 4): 64,
+                (12, 8): 48, (16, 8): 64, (128, 1): 64, (128, 2): 64, (32, 1): 32, (40, 1): 48}
+    for (h, q), rows in expected.items():
+        assert default_rows_per_block(h, q) == rows, (h, q)
+    op = MLADecodeSM90(12, 8, 32)
+    assert (op.rows, op.num_row_blocks, op.num_stages) == (48, 2, 3)
 
 
 def test_pingpong_is_the_16_row_default_and_needs_16_rows():
@@ -127,6 +139,7 @@ def _merge_kernel_outputs(plan, seq_lens, out, lse, partial_out, partial_lse):
 PINGPONG_OFF = {"pingpong": False}
 ROWS_48 = {"rows_per_block": 48}
 ROWS_64 = {"rows_per_block": 64}
+ROWS_32 = {"rows_per_block": 32}
 
 GPU_CASES = [
     # (num_heads, q_len, page_size, tile_tokens, causal, lengths, num_ctas, kernel options)
@@ -137,7 +150,9 @@ GPU_CASES = [
     (128, 8, 32, 64, True, [8, 100, 1000], 8, {}),
     (8, 1, 64, 64, False, [0, 1, 64, 2000, 0, 333], 7, {}),
     (16, 4, 64, 32, True, [4, 5, 64, 1500, 77], 9, {}),
-    (12, 8, 32, 64, True, [8, 9, 100, 1000, 4000, 65], 9, ROWS_48),  # 96 rows: two full 48-row blocks
+    (12, 8, 32, 64, True, [8, 9, 100, 1000, 4000, 65], 9, {}),  # default: 96 rows as two full 48-row blocks
+    (12, 8, 32, 64, True, [8, 9, 100, 1000, 4000, 65], 9, ROWS_32),  # 32-row blocks (3 ring stages -> 4)
+    (128, 1, 64, 64, True, [1, 700, 3000, 64], 8, ROWS_32),
     (128, 1, 64, 64, True, [1, 700, 3000, 64], 8, ROWS_48),  # 128 rows: the third block has 32
     (16, 2, 32, 32, True, [2, 63, 64, 65, 1500], 6, ROWS_48),  # 32 rows in one block, 16 of them padding
     (128, 1, 64, 64, True, [1, 700, 3000, 64], 8, ROWS_64),  # 128 rows: two 64-row blocks
