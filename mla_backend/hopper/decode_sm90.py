@@ -56,10 +56,14 @@ Against 32-row blocks on the H200 (decode alone): H12 q8 1M x B1 630.6 -> 548.4 
 Pipeline
 --------
 Per 64-token chunk ci: one CTA barrier (chunk ci + 1 landed, the S^T partials of chunk ci are in shared memory),
-the cp.async of chunk ci + 3, the S^T wgmmas of chunk ci + 1 issued without waiting, the V^T registers of chunk
-ci (ldmatrix, so they load under the softmax: -2% at q_len 8), the softmax of chunk ci, a second barrier (P and
-the row rescale written), P.V of chunk ci, then the wait for both wgmma groups and the S^T partials of chunk ci + 1
-stored (double-buffered below 48 rows). Three barriers with S^T in its own iteration measured 4% slower.
+the cp.async of chunk ci + 3, the S^T wgmmas of chunk ci + 1 issued behind P.V of chunk ci - 1 (neither waited
+for yet), the softmax of chunk ci (P into buffer ci % 2), then the wait for both wgmma groups, the V^T registers of
+chunk ci, a second barrier (P and the row rescale written), the O^T rescale, P.V of chunk ci issued (waited for in
+the next iteration) and the S^T partials of chunk ci + 1 stored. The tensor cores run P.V and S^T under the
+softmax. Measured on the H200 (decode alone, against P.V waited for before the next chunk): H12 q8 1M x B1 554.2
+-> 525.1 us, H128 q1 128K x B4 335.9 -> 320.1, H12 q4 1M x B1 305.2 -> 289.7; earlier, with 32-row blocks as
+the q_len 8 default and the V^T loads after the second barrier, the same reordering measured slower. Three
+barriers with S^T in its own iteration measured 4% slower than two.
 
 16-row blocks (q_len x H <= 16, the TP8 decode case) run a ping-pong schedule instead:
 warpgroup w takes the chunks 2j + w (ring stages w and w + 2, loading its own chunks one ahead) and runs all of
@@ -537,15 +541,20 @@ class MLADecodeSM90:
                     wgmma_wait(0)
                     self._store_s(acc_S, sS[None, None, None, 0], wg, wl, lg, lt)
 
-                # Software pipeline: iteration ci issues S^T of chunk ci + 1 on the tensor cores, runs the softmax
-                # of chunk ci (its S^T partials are in sS[ci % SB]) meanwhile, then P.V of chunk ci; two CTA
-                # barriers per chunk instead of three.
+                # Software pipeline: iteration ci issues S^T of chunk ci + 1 on the tensor cores behind P.V of chunk
+                # ci - 1 (issued at the end of iteration ci - 1, not waited for), runs the softmax of chunk ci (its
+                # S^T partials are in sS[ci % SB], P goes to buffer ci % 2) meanwhile, waits for both, loads the
+                # V^T registers of chunk ci, and after the second barrier rescales O^T and issues P.V of chunk ci.
+                sPw2 = cute.make_tensor(cute.recast_ptr(storage.p.data_ptr(), dtype=Int32), cute.make_layout(
+                    ((4, 4), (8, ROWS // 8), 2, 2),
+                    stride=((1, P_LBO // 4), (4, P_SBO // 4), ROWS * 16, 2 * ROWS * 16)))
                 for ci in range(n_chunks):
                     stage = ci % NS
+                    pbuf = ci % 2
                     chunk_tok0 = tok_begin + ci * C
                     cute.arch.cp_async_wait_group(NS - 3)  # chunk ci + 1 landed
                     fence_proxy_async_smem()  # this thread's cp.async / zero-fill bytes -> visible to wgmma
-                    # chunk ci + 1 landed; S^T(ci) partials written; P.V of chunk ci - 1 is done with its stage, sP
+                    # chunk ci + 1 landed; S^T(ci) partials written; V^T of chunk ci - 1 is in registers
                     cute.arch.barrier()
                     if ci + NS - 1 < n_chunks:
                         self._load_chunk(mKV, atom_cp_async, sRing, zero16, next_page, chunk_tok0 + (NS - 1) * C,
@@ -555,24 +564,26 @@ class MLADecodeSM90:
                     stage_addr = ring_addr + stage * (C * 128 * KV_BLOCKS)
                     if ci + 1 < n_chunks:
                         self._issue_s(acc_S, ring_addr, q_addr, (ci + 1) % NS, wg * KSTEPS, KSTEPS)
-                    # V^T of chunk ci into registers now, under the softmax, not after the second barrier
-                    a_regs = self._load_vt(stage_addr, wg * 4, wl, lane)
 
                     if srow < ROWS:  # all threads but with 48 rows (then warps 6 and 7 skip it)
                         row_max, row_sum, alpha = self._softmax_chunk(
-                            sS[None, None, None, ci % SB], sPw, row_max, row_sum, chunk_tok0, row_end, scale_log2,
-                            srow, ssub)
+                            sS[None, None, None, ci % SB], sPw2[None, None, None, pbuf], row_max, row_sum,
+                            chunk_tok0, row_end, scale_log2, srow, ssub)
                         if ssub == 0:
                             sAlpha[srow] = alpha
-                    cute.arch.barrier()
-
-                    self._rescale_o(acc_O, sAlpha, lt)
-                    self._issue_pv_regs(acc_O, a_regs, p_addr, 0)
-                    wgmma_wait(0)  # P.V of chunk ci and S^T of chunk ci + 1
+                    wgmma_wait(0)  # P.V of chunk ci - 1 and S^T of chunk ci + 1
                     for i in cutlass.range_constexpr(4 * NA):
                         acc_O[i] = fence_operand(acc_O[i])
+                    a_regs = self._load_vt(stage_addr, wg * 4, wl, lane)
+                    cute.arch.barrier()  # P(ci), alpha(ci) written; every softmax read of sS done
+
+                    self._rescale_o(acc_O, sAlpha, lt)
+                    self._issue_pv_regs(acc_O, a_regs, p_addr + pbuf * (2 * ROWS * 64), 0)  # waited next iteration
                     if ci + 1 < n_chunks:
                         self._store_s(acc_S, sS[None, None, None, (ci + 1) % SB], wg, wl, lg, lt)
+                wgmma_wait(0)
+                for i in cutlass.range_constexpr(4 * NA):
+                    acc_O[i] = fence_operand(acc_O[i])
 
                 cute.arch.cp_async_wait_group(0)
                 if ssub == 0 and srow < ROWS:
