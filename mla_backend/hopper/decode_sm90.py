@@ -161,6 +161,7 @@ class MLADecodeSM90:
         # 48- and 64-row blocks fit shared memory with 3 ring stages and one S^T buffer only (Q and the S^T
         # partials grow with the rows). One buffer is enough: the partials of chunk ci + 1 are stored after the
         # second barrier of iteration ci, which every thread passes only once its softmax of chunk ci is done.
+        # Up to 32 rows keep the two buffers of the layout that was measured (they fit; one would do).
         self.s_buffers = 2 if self.rows <= 32 else 1
         num_stages = default_num_stages(self.rows) if num_stages is None else num_stages
         if num_stages < 3:
@@ -356,9 +357,11 @@ class MLADecodeSM90:
             # S^T partials: (row, token, k half = warpgroup, buffer = chunk % SB)
             sS = storage.s.get_tensor(cute.make_layout(
                 (ROWS, C, S_K_GROUPS, SB), stride=(S_STRIDE, 1, ROWS * S_STRIDE, S_K_GROUPS * ROWS * S_STRIDE)))
-            # P words: (word w of the row = tokens pi(4w..4w+3), row, plane) in the core-matrix layout
+            # P words: (word w of the row = tokens pi(4w..4w+3), row, plane, buffer = chunk % 2) in the core-matrix
+            # layout; two buffers, because P.V of chunk ci still reads P(ci) while the softmax of ci + 1 writes
             sPw = cute.make_tensor(cute.recast_ptr(storage.p.data_ptr(), dtype=Int32), cute.make_layout(
-                ((4, 4), (8, ROWS // 8), 2), stride=((1, P_LBO // 4), (4, P_SBO // 4), ROWS * 16)))
+                ((4, 4), (8, ROWS // 8), 2, 2),
+                stride=((1, P_LBO // 4), (4, P_SBO // 4), ROWS * 16, 2 * ROWS * 16)))
             sAlpha = storage.alpha.get_tensor(cute.make_layout((ROWS,)))
             p_addr = storage.p.data_ptr().toint()
             soft_tid = tidx
@@ -545,9 +548,6 @@ class MLADecodeSM90:
                 # ci - 1 (issued at the end of iteration ci - 1, not waited for), runs the softmax of chunk ci (its
                 # S^T partials are in sS[ci % SB], P goes to buffer ci % 2) meanwhile, waits for both, loads the
                 # V^T registers of chunk ci, and after the second barrier rescales O^T and issues P.V of chunk ci.
-                sPw2 = cute.make_tensor(cute.recast_ptr(storage.p.data_ptr(), dtype=Int32), cute.make_layout(
-                    ((4, 4), (8, ROWS // 8), 2, 2),
-                    stride=((1, P_LBO // 4), (4, P_SBO // 4), ROWS * 16, 2 * ROWS * 16)))
                 for ci in range(n_chunks):
                     stage = ci % NS
                     pbuf = ci % 2
@@ -567,7 +567,7 @@ class MLADecodeSM90:
 
                     if srow < ROWS:  # all threads but with 48 rows (then warps 6 and 7 skip it)
                         row_max, row_sum, alpha = self._softmax_chunk(
-                            sS[None, None, None, ci % SB], sPw2[None, None, None, pbuf], row_max, row_sum,
+                            sS[None, None, None, ci % SB], sPw[None, None, None, pbuf], row_max, row_sum,
                             chunk_tok0, row_end, scale_log2, srow, ssub)
                         if ssub == 0:
                             sAlpha[srow] = alpha
