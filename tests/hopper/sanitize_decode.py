@@ -15,8 +15,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from mla_backend import mla_decode  # noqa: E402
 from mla_inputs import make_decode_inputs  # noqa: E402
 
+# 16-row ping-pong, 64-row blocks (H16 q4: one, H128 q2: four), 48-row blocks (H12 q8: two)
 for heads, q_len, page, lengths in [(12, 1, 32, [0, 1, 31, 33, 700]), (16, 4, 64, [1, 2, 65, 3000]),
-                                    (128, 2, 32, [5, 129])]:
+                                    (128, 2, 32, [5, 129]), (12, 8, 32, [8, 9, 700])]:
     q, kv, bt, sl, qs, ks = make_decode_inputs(lengths, q_len=q_len, num_heads=heads, page_size=page, device="cuda",
                                                extra_pages=0)
     out, lse = mla_decode(q, kv, bt, sl, softmax_scale=0.05, q_scale=qs, k_scale=ks)
