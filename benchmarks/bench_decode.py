@@ -106,7 +106,52 @@ def case_bytes_and_flops(case: Case):
     return bytes_moved, flops
 
 
-def run_case(case: Case, bandwidth: float, fp8_flops: float, reps: int, check: bool):
+KERNEL_KINDS = (("planner", "PlanSplits"), ("decode", "MLADecode"), ("combine", "CombineSplits"))
+KERNEL_NAMES = [kind for kind, _ in KERNEL_KINDS] + ["step"]
+
+
+def step_kernel_durations(kernels):
+    """Median duration (us) of each of our kernels in a traced sequence of replays.
+
+    kernels: (name, start_us, end_us) of every GPU kernel, in start order. Each replay is preceded by the L2
+    flush (a memset / fill kernel), which starts a new step; a step's kernels are named by KERNEL_KINDS. Also
+    returns the median span from the first kernel of a step to its last ("step": the step without the
+    graph launch before it)."""
+    steps, current = [], None
+    for name, start, end in kernels:
+        if not any(marker in name for _, marker in KERNEL_KINDS):
+            current = None  # the flush (or anything else) between steps
+            continue
+        if current is None:
+            current = []
+            steps.append(current)
+        current.append((name, start, end))
+    found = {}
+    for step in steps:
+        for kind, marker in KERNEL_KINDS:
+            for name, start, end in step:
+                if marker in name:
+                    found.setdefault(kind, []).append(end - start)
+        found.setdefault("step", []).append(step[-1][2] - step[0][1])
+    return {kind: statistics.median(values) for kind, values in found.items()}
+
+
+def trace_kernel_durations(graph, flush, reps: int):
+    """Replay `graph` reps times under torch.profiler (CUPTI traces kernels inside graph replays) and return
+    step_kernel_durations of the trace."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            flush.zero_()
+            graph.replay()
+        torch.cuda.synchronize()
+    events = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                    key=lambda e: e.time_range.start)
+    return step_kernel_durations([(e.name, e.time_range.start, e.time_range.end) for e in events])
+
+
+def run_case(case: Case, bandwidth: float, fp8_flops: float, reps: int, check: bool, kernel_times: bool = False):
     from mla_backend import DecodeWorkspace, SplitPlan, mla_decode, mla_decode_reference, plan_splits
 
     torch.manual_seed(0)
@@ -161,6 +206,9 @@ def run_case(case: Case, bandwidth: float, fp8_flops: float, reps: int, check: b
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e-3)
+    if kernel_times:
+        for kind, us in trace_kernel_durations(graph, flush, reps).items():
+            case.results[f"{kind}_kernel_us"] = us
     # The planner and the combine alone (graph replays, L2 warm: their inputs are small).
     from mla_backend.hopper.combine_sm90 import run_combine_sm90
 
@@ -200,6 +248,8 @@ def main(argv=None) -> int:
     parser.add_argument("--check", action="store_true", help="compare each case with the reference")
     parser.add_argument("--segment-overhead", type=int, action="append", default=None,
                         help="the planner's per-segment cost in tiles (default: the planner's); repeat to compare")
+    parser.add_argument("--kernel-times", action="store_true",
+                        help="also trace the replays (torch.profiler) for each kernel's own duration in the step")
     parser.add_argument("--out-dir", default=os.environ.get("OUT", "bench-results"))
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -216,28 +266,35 @@ def main(argv=None) -> int:
                  for c in cases for o in args.segment_overhead]
     for case in cases:
         t0 = time.perf_counter()
-        run_case(case, bandwidth, fp8, args.reps, args.check)
+        run_case(case, bandwidth, fp8, args.reps, args.check, args.kernel_times)
         r = case.results
+        kernels = "".join(f"  {kind} kernel {r[kind + '_kernel_us']:.1f} us" for kind in KERNEL_NAMES
+                          if kind + "_kernel_us" in r)
         print(f"  {case.name:<28} {r['time_us']:9.1f} us  floor {r['floor_us']:8.1f} us  ratio {r['ratio']:5.2f}"
-              + f"  planner {r['planner_us']:5.1f} us  combine {r['combine_us']:5.1f} us"
+              + f"  planner {r['planner_us']:5.1f} us  combine {r['combine_us']:5.1f} us" + kernels
               + (f"  err {r['rel_err']:.1e}" if "rel_err" in r else "") + f"  ({time.perf_counter() - t0:.0f} s)",
               flush=True)
 
     os.makedirs(args.out_dir, exist_ok=True)
     csv_path = os.path.join(args.out_dir, "bench_decode.csv")
-    keys = ["time_us", "floor_us", "ratio", "kv_mb", "bound", "spread", "planner_us", "combine_us"] + (["rel_err"] if args.check else [])
+    keys = (["time_us", "floor_us", "ratio", "kv_mb", "bound", "spread", "planner_us", "combine_us"]
+            + ([f"{kind}_kernel_us" for kind in KERNEL_NAMES] if args.kernel_times else [])
+            + (["rel_err"] if args.check else []))
     with open(csv_path, "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["case", "heads", "q_len", "page", "batch"] + keys)
         for c in cases:
             w.writerow([c.name, c.heads, c.q_len, c.page_size, len(c.lengths)] + [c.results.get(k, "") for k in keys])
     print()
-    print("| case | time (us) | floor (us) | time / floor | bound | planner (us) | combine (us) |")
-    print("| --- | ---: | ---: | ---: | --- | ---: | ---: |")
+    extra = KERNEL_NAMES if args.kernel_times else []
+    print("| case | time (us) | floor (us) | time / floor | bound | planner (us) | combine (us) |"
+          + "".join(f" {kind} kernel (us) |" for kind in extra))
+    print("| --- | ---: | ---: | ---: | --- | ---: | ---: |" + " ---: |" * len(extra))
     for c in cases:
         r = c.results
         print(f"| {c.name} | {r['time_us']:.1f} | {r['floor_us']:.1f} | {r['ratio']:.2f} | {r['bound']} "
-              f"| {r['planner_us']:.1f} | {r['combine_us']:.1f} |")
+              f"| {r['planner_us']:.1f} | {r['combine_us']:.1f} |"
+              + "".join(f" {r.get(kind + '_kernel_us', float('nan')):.1f} |" for kind in extra))
     try:
         import matplotlib
         matplotlib.use("Agg")
