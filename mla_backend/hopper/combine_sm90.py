@@ -10,7 +10,7 @@ Why a CTA per row and not a warp: a long request is cut into up to one split per
 warp walking 132 partials one after the other waits on 132 dependent round trips to memory (the first
 version spent ~100 us there for a single 128K request). Here the split LSEs are read by all 256 threads at
 once and reduced across the CTA, and the 8 warps take every 8th partial each, so about 17 partial rows per
-warp, four at a time (unrolled); each lane owns 16-byte vectors of the CTA's 512 or 128 columns.
+warp, eight at a time (unrolled); each lane owns 16-byte vectors of the CTA's 512 or 128 columns.
 The warps' sums are added through shared memory at the end.
 
 out = sum_s exp(lse_s - lse) * O_s, lse = log(sum_s exp(lse_s)), computed in base 2; a row whose partials
@@ -40,6 +40,7 @@ VEC = 4  # fp32 per 16-byte access
 # only multiply the weight work (measured: 8K x B128 combine 7.6 -> 12.1 us), so those keep one CTA per row.
 DIM_SPLITS = 4
 MAX_SPLITS = 2048  # split weights kept in shared memory; a plan has at most num_ctas splits per request
+LSE_PER_THREAD = MAX_SPLITS // THREADS
 
 
 class CombineSplitsSM90:
@@ -52,6 +53,7 @@ class CombineSplitsSM90:
         self.dim_splits = dim_splits
         self.cols = LATENT_DIM // dim_splits
         self.vecs_per_lane = self.cols // (32 * VEC)
+        self.prefetch = max(2, 8 // self.vecs_per_lane)  # partials per warp loaded before the LSE reductions
 
     @cute.jit
     def __call__(self, p_partial_out: cute.Pointer, p_partial_lse: cute.Pointer, p_out: cute.Pointer,
@@ -111,31 +113,57 @@ class CombineSplitsSM90:
             scratch = smem.allocate_tensor(cutlass.Float32, cute.make_layout(WARPS), 16)
             sums = smem.allocate_tensor(cutlass.Float32, cute.make_layout((self.cols, WARPS), stride=(1, self.cols)), 16)
             first = split_offset[request]
+            load_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), cutlass.Float32, num_bits_per_copy=128)
 
-            # The largest LSE (base 2), then the weights 2^(lse_s - max) and their sum, all splits at once.
+            # The warp's first PREFETCH partials go in flight before the LSE reductions: their addresses need only
+            # the plan, so the partials' round trip overlaps the LSEs' instead of following it.
+            pre = cute.make_rmem_tensor((VEC, self.vecs_per_lane, self.prefetch), cutlass.Float32)
+            for u in cutlass.range_constexpr(self.prefetch):
+                s = warp + u * WARPS
+                if s < splits:
+                    src = cute.local_tile(partial_out[first + s, row, None], (self.cols,), (part_of_row,))
+                    for k in cutlass.range_constexpr(self.vecs_per_lane):
+                        cute.copy(load_atom, cute.local_tile(src, (VEC,), (lane + 32 * k,)), pre[None, k, u])
+
+            # The largest LSE (base 2), then the weights 2^(lse_s - max) and their sum, all splits at once. Each
+            # thread reads its LSEs once (MAX_SPLITS / THREADS at most, predicated) and keeps them in registers:
+            # a second pass over global memory cost one more dependent round trip.
+            my_lse = cute.make_rmem_tensor((LSE_PER_THREAD,), cutlass.Float32)
             local_max = -cutlass.Float32.inf
-            for s in cutlass.range(tidx, splits, THREADS):
-                local_max = cute.arch.fmax(local_max, partial_lse[first + s, row] * LOG2_E)
+            for k in cutlass.range_constexpr(LSE_PER_THREAD):
+                my_lse[k] = -cutlass.Float32.inf
+                s = tidx + k * THREADS
+                if s < splits:
+                    my_lse[k] = partial_lse[first + s, row] * LOG2_E
+                local_max = cute.arch.fmax(local_max, my_lse[k])
             lse_max = self._block_reduce(local_max, scratch, warp, lane, True)
             anchor = lse_max
             if lse_max == -cutlass.Float32.inf:
                 anchor = cutlass.Float32(0.0)  # every partial empty: all weights are 0
             local_sum = cutlass.Float32(0.0)
-            for s in cutlass.range(tidx, splits, THREADS):
-                w = cute.math.exp2(partial_lse[first + s, row] * LOG2_E - anchor, fastmath=True)
-                weights[s] = w
-                local_sum += w
+            for k in cutlass.range_constexpr(LSE_PER_THREAD):
+                s = tidx + k * THREADS
+                if s < splits:
+                    w = cute.math.exp2(my_lse[k] - anchor, fastmath=True)
+                    weights[s] = w
+                    local_sum += w
             total = self._block_reduce(local_sum, scratch, warp, lane, False)  # its barriers publish weights
             inv_total = cutlass.Float32(0.0)
             if total > cutlass.Float32(0.0):
                 inv_total = cutlass.Float32(1.0) / total
 
             # 16-byte accesses: every vector starts at a multiple of 4 elements of a 16-byte aligned row.
-            load_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), cutlass.Float32, num_bits_per_copy=128)
             acc = cute.make_rmem_tensor((VEC, self.vecs_per_lane), cutlass.Float32)
             acc.fill(0.0)
+            for u in cutlass.range_constexpr(self.prefetch):
+                s = warp + u * WARPS
+                if s < splits:
+                    weight = weights[s] * inv_total
+                    for k in cutlass.range_constexpr(self.vecs_per_lane):
+                        for i in cutlass.range_constexpr(VEC):
+                            acc[i, k] += weight * pre[i, k, u]
             part = cute.make_rmem_tensor((VEC, self.vecs_per_lane), cutlass.Float32)
-            for s in cutlass.range(warp, splits, WARPS, unroll=4):  # 4 partials' loads in flight per warp
+            for s in cutlass.range(warp + self.prefetch * WARPS, splits, WARPS, unroll=8):  # 8 partials in flight
                 weight = weights[s] * inv_total
                 src = cute.local_tile(partial_out[first + s, row, None], (self.cols,), (part_of_row,))
                 for k in cutlass.range_constexpr(self.vecs_per_lane):
