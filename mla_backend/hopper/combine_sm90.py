@@ -10,7 +10,8 @@ Why a CTA per row and not a warp: a long request is cut into up to one split per
 warp walking 132 partials one after the other waits on 132 dependent round trips to memory (the first
 version spent ~100 us there for a single 128K request). Here the split LSEs are read by all 256 threads at
 once and reduced across the CTA, and the 8 warps take every 8th partial each, so about 17 partial rows per
-warp, eight at a time (unrolled); each lane owns 16-byte vectors of the CTA's 512 or 128 columns.
+warp, eight at a time (unrolled), the first 2 (8 with four CTAs per row) loaded before the LSE reductions so that
+their round trip overlaps the LSEs'; each lane owns 16-byte vectors of the CTA's 512 or 128 columns.
 The warps' sums are added through shared memory at the end.
 
 out = sum_s exp(lse_s - lse) * O_s, lse = log(sum_s exp(lse_s)), computed in base 2; a row whose partials
