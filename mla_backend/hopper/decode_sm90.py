@@ -676,26 +676,28 @@ class MLADecodeSM90:
         526.0 -> 544.6 us, H128 q1 128K x B4 316.5 -> 328.2), where the branch sits between two wgmma waits."""
         ROWS = self.rows
         NA = ROWS // 2
+        als = cute.make_rmem_tensor(cute.make_layout((ROWS // 4,)), Float32)  # this thread's rows 8j + 2 lt + e
+        for j in cutlass.range_constexpr(ROWS // 8):
+            for e in cutlass.range_constexpr(2):
+                als[2 * j + e] = sAlpha[8 * j + 2 * lt + e]
         if cutlass.const_expr(skip_when_unit):
-            als = cute.make_rmem_tensor(cute.make_layout((ROWS // 4,)), Float32)
             al_min = Float32(1.0)
-            for j in cutlass.range_constexpr(ROWS // 8):
-                for e in cutlass.range_constexpr(2):
-                    als[2 * j + e] = sAlpha[8 * j + 2 * lt + e]
-                    al_min = cute.arch.fmin(al_min, als[2 * j + e])
+            for i in cutlass.range_constexpr(ROWS // 4):
+                al_min = cute.arch.fmin(al_min, als[i])
             if al_min < Float32(1.0):
-                for j in cutlass.range_constexpr(ROWS // 8):
-                    for e in cutlass.range_constexpr(2):
-                        for t in cutlass.range_constexpr(cute.size(acc_O) // NA):
-                            acc_O[t * NA + 4 * j + e] = acc_O[t * NA + 4 * j + e] * als[2 * j + e]
-                            acc_O[t * NA + 4 * j + 2 + e] = acc_O[t * NA + 4 * j + 2 + e] * als[2 * j + e]
+                self._scale_rows(acc_O, als)
         else:
-            for j in cutlass.range_constexpr(ROWS // 8):
-                for e in cutlass.range_constexpr(2):
-                    al = sAlpha[8 * j + 2 * lt + e]
-                    for t in cutlass.range_constexpr(cute.size(acc_O) // NA):
-                        acc_O[t * NA + 4 * j + e] = acc_O[t * NA + 4 * j + e] * al
-                        acc_O[t * NA + 4 * j + 2 + e] = acc_O[t * NA + 4 * j + 2 + e] * al
+            self._scale_rows(acc_O, als)
+
+    @cute.jit
+    def _scale_rows(self, acc_O: cute.Tensor, als: cute.Tensor):
+        """acc_O rows (see _rescale_o) times this thread's row factors als[2j + e]."""
+        NA = self.rows // 2
+        for j in cutlass.range_constexpr(self.rows // 8):
+            for e in cutlass.range_constexpr(2):
+                for t in cutlass.range_constexpr(cute.size(acc_O) // NA):
+                    acc_O[t * NA + 4 * j + e] = acc_O[t * NA + 4 * j + e] * als[2 * j + e]
+                    acc_O[t * NA + 4 * j + 2 + e] = acc_O[t * NA + 4 * j + 2 + e] * als[2 * j + e]
 
     @cute.jit
     def _issue_pv(self, acc_O: cute.Tensor, stage_addr: Int32, p_addr: Int32, acc_tile0: cutlass.Constexpr,
