@@ -49,7 +49,7 @@ ROWS is 16 when R = q_len * H <= 16 (the ping-pong schedule below); otherwise th
 64 rows, the smallest on a tie (H 16 q_len 2: 32; H 12 q_len 4 and 8: 48; H 128: 64). R > ROWS uses several row
 blocks, each of which reads the KV again (from L2 when its neighbours in the grid run at the same time). 96 rows
 (H 12, q_len 8) in one block would need 192 KB of fp32 O^T, more than the register file. 48 and 64 rows run 3
-ring stages and one S^T buffer (ptxas: 48 rows 216 registers; 64 rows, with 128 O^T and 32 S^T accumulators per
+ring stages and one S^T buffer (ptxas: 48 rows 220 registers; 64 rows, with 128 O^T and 32 S^T accumulators per
 thread, 255 registers, no spills: tests/hopper's spill check guards it). Against 32-row blocks on the H200
 (decode alone): H12 q8 1M x B1 630.6 -> 548.4 us, H128 q1 128K x B4 433.1 -> 327.7, H12 q4 1M x B1 429.1 ->
 285.8.
