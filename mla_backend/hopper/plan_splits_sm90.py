@@ -2,8 +2,9 @@
 
 Why a kernel: the plain-torch planner is about 25 small launches (cumsums, searchsorteds, copies), which cost
 ~67 us per decode step on the H200 even inside a CUDA graph: half of a 128K-token step. One CTA does the same
-work in a few microseconds: the batch is scanned once in shared memory, every CTA boundary is found by a binary
-search over the requests' cost prefix, and every request's first and last CTA by a binary search over the CTA
+work in a few microseconds: the batch's tiles and costs are scanned once in shared memory, every CTA boundary is
+found by a binary search over the requests' cost prefix, and every request's first and last CTA from the cost
+position of its first and last tile (the CTA whose cost interval holds it), with no search and no wait for the
 boundaries. The torch planner stays the definition (and the CPU path); tests check both agree bit for bit.
 
 Static key: (max_batch, num_ctas, tile_tokens, segment_overhead), the plan's fixed shape, so an engine compiles
@@ -76,6 +77,37 @@ class PlanSplitsSM90:
         return base + inclusive - value, total
 
     @cute.jit
+    def _exclusive_scan2(self, a: Int32, c: Int32, scratch: cute.Tensor, warp, lane):
+        """Block-wide exclusive prefix sums of two values per thread: (prefix a, total a, prefix c, total c)."""
+        ia = a
+        ic = c
+        for k in cutlass.range_constexpr(5):
+            offset = 1 << k
+            oa = cute.arch.shuffle_sync_up(ia, offset)
+            oc = cute.arch.shuffle_sync_up(ic, offset)
+            if lane >= offset:
+                ia = ia + oa
+                ic = ic + oc
+        if lane == 31:
+            scratch[warp] = ia
+            scratch[WARPS + warp] = ic
+        cute.arch.barrier()
+        base_a = Int32(0)
+        base_c = Int32(0)
+        total_a = Int32(0)
+        total_c = Int32(0)
+        for w in cutlass.range_constexpr(WARPS):
+            wa = scratch[w]
+            wc = scratch[WARPS + w]
+            if w < warp:
+                base_a = base_a + wa
+                base_c = base_c + wc
+            total_a = total_a + wa
+            total_c = total_c + wc
+        cute.arch.barrier()  # scratch is reused by the next scan
+        return base_a + ia - a, total_a, base_c + ic - c, total_c
+
+    @cute.jit
     def _count_at_most(self, values: cute.Tensor, first: int, count: int, x: Int32) -> Int32:
         """How many of values[first : first + count] (sorted ascending) are <= x."""
         lo = Int32(0)
@@ -101,11 +133,10 @@ class PlanSplitsSM90:
         tiles = smem.allocate_tensor(Int32, cute.make_layout(B), 16)
         cost_start = smem.allocate_tensor(Int32, cute.make_layout(B), 16)
         req_start = smem.allocate_tensor(Int32, cute.make_layout(B + 1), 16)
-        cta_start = smem.allocate_tensor(Int32, cute.make_layout(N + 1), 16)
         merged = smem.allocate_tensor(Int32, cute.make_layout(B), 16)
-        scratch = smem.allocate_tensor(Int32, cute.make_layout(WARPS), 16)
+        scratch = smem.allocate_tensor(Int32, cute.make_layout(2 * WARPS), 16)
 
-        # Tiles and cost (tiles + one overhead per request with KV) of this thread's requests.
+        # Tiles and cost (tiles + one overhead per request with KV) of this thread's requests, both scanned at once.
         my_tiles = Int32(0)
         my_cost = Int32(0)
         for i in cutlass.range_constexpr(PER):
@@ -123,8 +154,8 @@ class PlanSplitsSM90:
                 my_tiles = my_tiles + t
                 if t > 0:
                     my_cost = my_cost + t + OVH
-        tiles_before, total_tiles = self._exclusive_scan(my_tiles, scratch, warp, lane)
-        cost_before, total_cost = self._exclusive_scan(my_cost, scratch, warp, lane)
+        tiles_before, total_tiles, cost_before, total_cost = self._exclusive_scan2(my_tiles, my_cost, scratch, warp,
+                                                                                   lane)
         for i in cutlass.range_constexpr(PER):
             b = tidx * PER + i
             if b < B:
@@ -138,8 +169,8 @@ class PlanSplitsSM90:
             req_start[B] = total_tiles
         cute.arch.barrier()
 
-        # CTA c starts at cost c * total // N; the tiles that start before it are those of every request
-        # before the last one starting at or before it, plus that one's tiles past its overhead.
+        # CTA c starts at cost c * total // N; the tiles that start before it are those of every request before
+        # the last one starting at or before it, plus that one's tiles past its overhead.
         total = total_cost
         if total < N:
             total = Int32(N)  # fewer cost units than CTAs: unit intervals, later CTAs idle
@@ -152,34 +183,29 @@ class PlanSplitsSM90:
             if inside > tiles[b]:
                 inside = tiles[b]
             g = req_start[b] + inside
-            cta_start[c] = g
             cta_tile_start[c] = g
-        cute.arch.barrier()
+            if c < N:
+                first = self._count_at_most(req_start, 1, B, g)
+                if first > B - 1:
+                    first = Int32(B - 1)
+                cta_first_request[c] = first
 
-        for c in cutlass.range(tidx, N, THREADS):
-            first = self._count_at_most(req_start, 1, B, cta_start[c])
-            if first > B - 1:
-                first = Int32(B - 1)
-            cta_first_request[c] = first
-
-        # Each request's first and last CTA; requests with several splits get workspace slots in order.
+        # Each request's first and last CTA: the CTA whose cost interval [c * total // N, (c + 1) * total // N)
+        # holds the cost position of its first (last) tile, ((p + 1) * N - 1) // total, which is the CTA holding
+        # that tile without a search over the CTA boundaries (and without waiting for them). A request without
+        # tiles takes the position of the next request's first tile (the same cost_start), or the last CTA
+        # when no tile follows. Requests with several splits get workspace slots in order.
         my_merged = Int32(0)
         for i in cutlass.range_constexpr(PER):
             b = tidx * PER + i
             if b < B:
-                first = self._count_at_most(cta_start, 0, N + 1, req_start[b]) - 1
-                last = self._count_at_most(cta_start, 0, N + 1, req_start[b + 1] - 1) - 1
-                if first < 0:
-                    first = Int32(0)
-                if first > N - 1:
-                    first = Int32(N - 1)
-                if last < 0:
-                    last = Int32(0)
-                if last > N - 1:
-                    last = Int32(N - 1)
+                position = cost_start[b] + OVH
+                first = Int32(N - 1)
+                if req_start[b] < total_tiles:
+                    first = self._cta_of_cost(position, total)
                 splits = Int32(0)
                 if tiles[b] > 0:
-                    splits = last - first + 1
+                    splits = self._cta_of_cost(position + tiles[b] - 1, total) - first + 1
                 request_first_cta[b] = first
                 num_splits[b] = splits
                 m = Int32(0)
@@ -196,6 +222,17 @@ class PlanSplitsSM90:
                 request_tile_start[b] = req_start[b]
         if tidx == 0:
             request_tile_start[B] = req_start[B]
+
+    @cute.jit
+    def _cta_of_cost(self, p: Int32, total: Int32) -> Int32:
+        """The CTA whose cost interval holds cost position p, clamped to [0, N - 1]."""
+        N = self.num_ctas
+        c = (((Int64(p) + 1) * N - 1) // Int64(total)).to(Int32)
+        if c < 0:
+            c = Int32(0)
+        if c > N - 1:
+            c = Int32(N - 1)
+        return c
 
 
 _compiled = {}
