@@ -55,57 +55,35 @@ class PlanSplitsSM90:
         self.kernel(seq_lens, *outputs, batch).launch(grid=[1, 1, 1], block=[THREADS, 1, 1], stream=stream)
 
     @cute.jit
-    def _exclusive_scan(self, value: Int32, scratch: cute.Tensor, warp, lane):
-        """Block-wide exclusive prefix sum of one value per thread; returns (prefix, total)."""
-        inclusive = value
+    def _exclusive_scan(self, values, scratch: cute.Tensor, warp, lane):
+        """Block-wide exclusive prefix sums of one or more values per thread, scanned together (one pair of
+        barriers for all): returns [(prefix, total)] in the order of `values`. scratch holds len(values) * WARPS."""
+        n = len(values)
+        inclusive = cute.make_rmem_tensor(cute.make_layout((n,)), Int32)
+        for j in cutlass.range_constexpr(n):
+            inclusive[j] = values[j]
         for k in cutlass.range_constexpr(5):
             offset = 1 << k
-            other = cute.arch.shuffle_sync_up(inclusive, offset)
-            if lane >= offset:
-                inclusive = inclusive + other
+            for j in cutlass.range_constexpr(n):
+                other = cute.arch.shuffle_sync_up(inclusive[j], offset)
+                if lane >= offset:
+                    inclusive[j] = inclusive[j] + other
         if lane == 31:
-            scratch[warp] = inclusive
+            for j in cutlass.range_constexpr(n):
+                scratch[j * WARPS + warp] = inclusive[j]
         cute.arch.barrier()
-        base = Int32(0)
-        total = Int32(0)
-        for w in cutlass.range_constexpr(WARPS):
-            s = scratch[w]
-            if w < warp:
-                base = base + s
-            total = total + s
+        results = []
+        for j in cutlass.range_constexpr(n):
+            base = Int32(0)
+            total = Int32(0)
+            for w in cutlass.range_constexpr(WARPS):
+                part = scratch[j * WARPS + w]
+                if w < warp:
+                    base = base + part
+                total = total + part
+            results.append((base + inclusive[j] - values[j], total))
         cute.arch.barrier()  # scratch is reused by the next scan
-        return base + inclusive - value, total
-
-    @cute.jit
-    def _exclusive_scan2(self, a: Int32, c: Int32, scratch: cute.Tensor, warp, lane):
-        """Block-wide exclusive prefix sums of two values per thread: (prefix a, total a, prefix c, total c)."""
-        ia = a
-        ic = c
-        for k in cutlass.range_constexpr(5):
-            offset = 1 << k
-            oa = cute.arch.shuffle_sync_up(ia, offset)
-            oc = cute.arch.shuffle_sync_up(ic, offset)
-            if lane >= offset:
-                ia = ia + oa
-                ic = ic + oc
-        if lane == 31:
-            scratch[warp] = ia
-            scratch[WARPS + warp] = ic
-        cute.arch.barrier()
-        base_a = Int32(0)
-        base_c = Int32(0)
-        total_a = Int32(0)
-        total_c = Int32(0)
-        for w in cutlass.range_constexpr(WARPS):
-            wa = scratch[w]
-            wc = scratch[WARPS + w]
-            if w < warp:
-                base_a = base_a + wa
-                base_c = base_c + wc
-            total_a = total_a + wa
-            total_c = total_c + wc
-        cute.arch.barrier()  # scratch is reused by the next scan
-        return base_a + ia - a, total_a, base_c + ic - c, total_c
+        return results
 
     @cute.jit
     def _count_at_most(self, values: cute.Tensor, first: int, count: int, x: Int32) -> Int32:
@@ -154,8 +132,9 @@ class PlanSplitsSM90:
                 my_tiles = my_tiles + t
                 if t > 0:
                     my_cost = my_cost + t + OVH
-        tiles_before, total_tiles, cost_before, total_cost = self._exclusive_scan2(my_tiles, my_cost, scratch, warp,
-                                                                                   lane)
+        scans = self._exclusive_scan((my_tiles, my_cost), scratch, warp, lane)
+        tiles_before, total_tiles = scans[0]
+        cost_before, total_cost = scans[1]
         for i in cutlass.range_constexpr(PER):
             b = tidx * PER + i
             if b < B:
@@ -213,7 +192,7 @@ class PlanSplitsSM90:
                     m = splits
                 merged[b] = m
                 my_merged = my_merged + m
-        slots_before, _total_slots = self._exclusive_scan(my_merged, scratch, warp, lane)
+        slots_before, _total_slots = self._exclusive_scan((my_merged,), scratch, warp, lane)[0]
         for i in cutlass.range_constexpr(PER):
             b = tidx * PER + i
             if b < B:
