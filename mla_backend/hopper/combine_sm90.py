@@ -126,29 +126,52 @@ class CombineSplitsSM90:
                     for k in cutlass.range_constexpr(self.vecs_per_lane):
                         cute.copy(load_atom, cute.local_tile(src, (VEC,), (lane + 32 * k,)), pre[None, k, u])
 
-            # The largest LSE (base 2), then the weights 2^(lse_s - max) and their sum, all splits at once. Each
-            # thread reads its LSEs once (MAX_SPLITS / THREADS at most, predicated) and keeps them in registers:
-            # a second pass over global memory cost one more dependent round trip.
-            my_lse = cute.make_rmem_tensor((LSE_PER_THREAD,), cutlass.Float32)
-            local_max = -cutlass.Float32.inf
-            for k in cutlass.range_constexpr(LSE_PER_THREAD):
-                my_lse[k] = -cutlass.Float32.inf
-                s = tidx + k * THREADS
-                if s < splits:
-                    my_lse[k] = partial_lse[first + s, row] * LOG2_E
-                local_max = cute.arch.fmax(local_max, my_lse[k])
-            lse_max = self._block_reduce(local_max, scratch, warp, lane, True)
-            anchor = lse_max
-            if lse_max == -cutlass.Float32.inf:
-                anchor = cutlass.Float32(0.0)  # every partial empty: all weights are 0
-            local_sum = cutlass.Float32(0.0)
-            for k in cutlass.range_constexpr(LSE_PER_THREAD):
-                s = tidx + k * THREADS
-                if s < splits:
-                    w = cute.math.exp2(my_lse[k] - anchor, fastmath=True)
-                    weights[s] = w
-                    local_sum += w
-            total = self._block_reduce(local_sum, scratch, warp, lane, False)  # its barriers publish weights
+            # The largest LSE (base 2), then the weights 2^(lse_s - max) and their sum. Up to 32 splits (B8 and more
+            # at q_len 1 on 132 SMs) every warp reduces the LSEs itself, lane s holding split s, and keeps its
+            # weights in its own 32 slots of `weights`: no CTA barrier before the partials are summed. More splits
+            # are reduced by the whole CTA.
+            anchor = cutlass.Float32(0.0)
+            total = cutlass.Float32(0.0)
+            wbase = cutlass.Int32(0)
+            if splits <= 32:
+                lse_l = -cutlass.Float32.inf
+                if lane < splits:
+                    lse_l = partial_lse[first + lane, row] * LOG2_E
+                lse_max = cute.arch.warp_reduction_max(lse_l)
+                anchor = lse_max
+                if lse_max == -cutlass.Float32.inf:
+                    anchor = cutlass.Float32(0.0)  # every partial empty: all weights are 0
+                w_l = cutlass.Float32(0.0)
+                if lane < splits:
+                    w_l = cute.math.exp2(lse_l - anchor, fastmath=True)
+                total = cute.arch.warp_reduction_sum(w_l)
+                wbase = warp * 32
+                weights[wbase + lane] = w_l
+                cute.arch.sync_warp()
+            else:
+                # The largest LSE (base 2), then the weights 2^(lse_s - max) and their sum, all splits at once. Each
+                # thread reads its LSEs once (MAX_SPLITS / THREADS at most, predicated) and keeps them in registers:
+                # a second pass over global memory cost one more dependent round trip.
+                my_lse = cute.make_rmem_tensor((LSE_PER_THREAD,), cutlass.Float32)
+                local_max = -cutlass.Float32.inf
+                for k in cutlass.range_constexpr(LSE_PER_THREAD):
+                    my_lse[k] = -cutlass.Float32.inf
+                    s = tidx + k * THREADS
+                    if s < splits:
+                        my_lse[k] = partial_lse[first + s, row] * LOG2_E
+                    local_max = cute.arch.fmax(local_max, my_lse[k])
+                lse_max = self._block_reduce(local_max, scratch, warp, lane, True)
+                anchor = lse_max
+                if lse_max == -cutlass.Float32.inf:
+                    anchor = cutlass.Float32(0.0)  # every partial empty: all weights are 0
+                local_sum = cutlass.Float32(0.0)
+                for k in cutlass.range_constexpr(LSE_PER_THREAD):
+                    s = tidx + k * THREADS
+                    if s < splits:
+                        w = cute.math.exp2(my_lse[k] - anchor, fastmath=True)
+                        weights[s] = w
+                        local_sum += w
+                total = self._block_reduce(local_sum, scratch, warp, lane, False)  # its barriers publish weights
             inv_total = cutlass.Float32(0.0)
             if total > cutlass.Float32(0.0):
                 inv_total = cutlass.Float32(1.0) / total
@@ -159,13 +182,13 @@ class CombineSplitsSM90:
             for u in cutlass.range_constexpr(self.prefetch):
                 s = warp + u * WARPS
                 if s < splits:
-                    weight = weights[s] * inv_total
+                    weight = weights[wbase + s] * inv_total
                     for k in cutlass.range_constexpr(self.vecs_per_lane):
                         for i in cutlass.range_constexpr(VEC):
                             acc[i, k] += weight * pre[i, k, u]
             part = cute.make_rmem_tensor((VEC, self.vecs_per_lane), cutlass.Float32)
             for s in cutlass.range(warp + self.prefetch * WARPS, splits, WARPS, unroll=8):  # 8 partials in flight
-                weight = weights[s] * inv_total
+                weight = weights[wbase + s] * inv_total
                 src = cute.local_tile(partial_out[first + s, row, None], (self.cols,), (part_of_row,))
                 for k in cutlass.range_constexpr(self.vecs_per_lane):
                     cute.copy(load_atom, cute.local_tile(src, (VEC,), (lane + 32 * k,)), part[None, k])
