@@ -9,7 +9,8 @@ lse = -inf here, since no decode CTA visits them.
 Why a CTA per row and not a warp: a long request is cut into up to one split per SM (132 on an H200), and a
 warp walking 132 partials one after the other waits on 132 dependent round trips to memory (the first
 version spent ~100 us there for a single 128K request). Here the split LSEs are read by all 256 threads at
-once and reduced across the CTA, and the 8 warps take every 8th partial each, so about 17 partial rows per
+once and reduced across the CTA (with at most 32 splits every warp reduces them itself, a lane per split, and
+no CTA barrier precedes the sum), and the 8 warps take every 8th partial each, so about 17 partial rows per
 warp, eight at a time (unrolled), the first 2 (8 with four CTAs per row) loaded before the LSE reductions so that
 their round trip overlaps the LSEs'; each lane owns 16-byte vectors of the CTA's 512 or 128 columns.
 The warps' sums are added through shared memory at the end.
