@@ -41,11 +41,12 @@ Data path: FP8 end to end on the tensor cores (wgmma)
   average out against an output that is itself an average). hi + lo represents p to ~2^-8 relative (p * 256 keeps p >= 2^-14 out of
   e4m3's subnormals), which with fp32 accumulation and the bf16 output keeps the relative L2 error against the
   fp32 reference below 5e-3 (tests/hopper; the bench measures 4.5e-4 to 1.4e-3 on random data).
-  CUTE_MLA_P_PLANES=1 keeps one plane (`default_p_planes`): half the P.V wgmmas and P conversions, for ~10x the
-  error (H200, same inputs: relative L2 7.5e-3 to 1.5e-2 against 8e-4 to 2.3e-3; below the FP8 cache's own
-  error against a bf16 cache, 0.8e-2 to 6.6e-2 in a torch emulation). Decode alone, H200: H12 q8 1M x B1 514.2 ->
-  473.8 us, H128 q1 1M x B4 2345.0 -> 2039.0, H16 q2 1M x B4 833.7 -> 749.3; q_len 1 at H12 unchanged (memory
-  bound). Two planes stay the default: the gain reaches no target of the issues on its own.
+  CUTE_MLA_P_PLANES=1 keeps one plane for more than 16 query rows (`default_p_planes`): half the P.V wgmmas and
+  P conversions, for ~10x the error (H200, same inputs: relative L2 7.5e-3 to 1.5e-2 against 8e-4 to 2.3e-3;
+  below the FP8 cache's own error against a bf16 cache, 0.8e-2 to 6.6e-2 in a torch emulation). Decode alone,
+  H200: H12 q8 1M x B1 512.4 -> 468.9 us, H128 q1 128K x B4 318.5 -> 274.7, H16 q2 1M x B2 423.0 -> 380.5, H12
+  q4 1M x B1 278.5 -> 247.6. Two planes stay the default: accuracy first, and the gain alone reaches no target
+  of the issues (docs/performance.md).
 - O^T (512 x ROWS, fp32) lives in registers: 4 m64 tiles x ROWS / 2 accumulators per thread.
 
 Rows per block
@@ -144,14 +145,14 @@ P_PLANES_ENV = "CUTE_MLA_P_PLANES"
 def default_p_planes(num_heads: int, q_len: int) -> int:
     """e4m3 planes of P in the P.V MMA: 2 (hi and lo, the default) unless CUTE_MLA_P_PLANES says 1.
 
-    One plane trades accuracy for speed where FP8 tensor throughput bounds the step (see Numerics in the module
-    docstring and docs/performance.md): relative output error ~1e-2 instead of ~1e-3, P.V half the tensor work."""
+    One plane trades accuracy for speed where the tensor work bounds the kernel (see Numerics in the module
+    docstring and docs/performance.md): relative output error ~1e-2 instead of ~1e-3, P.V half the tensor work.
+    It applies to more than 16 query rows (q_len x H) only: the memory-bound 16-row ping-pong schedule measured no
+    faster with it (H12 q_len 1 1M x B1, decode alone: 165.5 us with two planes, 174.8 with one)."""
     value = os.environ.get(P_PLANES_ENV, "").strip()
-    if value in ("", "2"):
-        return 2
-    if value == "1":
-        return 1
-    raise ValueError(f"{P_PLANES_ENV} must be 1 or 2, got {value!r}")
+    if value not in ("", "1", "2"):
+        raise ValueError(f"{P_PLANES_ENV} must be 1 or 2, got {value!r}")
+    return 1 if value == "1" and num_heads * q_len > 16 else 2
 
 
 class MLADecodeSM90:

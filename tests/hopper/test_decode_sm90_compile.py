@@ -89,8 +89,8 @@ def test_pingpong_is_the_16_row_default_and_needs_16_rows():
 
 
 def test_p_planes_knob(monkeypatch):
-    """P in one e4m3 plane (CUTE_MLA_P_PLANES=1) or two (hi/lo, the default): part of the static key, both
-    schedules compile with it, and a bad value is an error naming the variable."""
+    """P in one e4m3 plane (CUTE_MLA_P_PLANES=1, more than 16 rows only) or two (hi/lo, the default): part of the
+    static key, and a bad value is an error naming the variable."""
     from mla_backend.hopper.decode_sm90 import MLADecodeSM90, compile_decode_sm90, default_p_planes
 
     monkeypatch.delenv("CUTE_MLA_P_PLANES", raising=False)
@@ -100,7 +100,8 @@ def test_p_planes_knob(monkeypatch):
     assert MLADecodeSM90(12, 8, 32).p_planes == 1
     one = compile_decode_sm90(12, 8, 32, arch="sm_90a")
     assert one is not two and one.decode_op.p_planes == 1 and two.decode_op.p_planes == 2
-    assert compile_decode_sm90(12, 1, 32, arch="sm_90a").decode_op.pingpong  # the ping-pong schedule too
+    assert default_p_planes(12, 1) == 2 and default_p_planes(8, 2) == 2 and default_p_planes(16, 2) == 1
+    assert MLADecodeSM90(12, 1, 32, pingpong=False, p_planes=1).p_planes == 1  # explicit, any schedule
     assert compile_decode_sm90(12, 8, 32, p_planes=2, arch="sm_90a") is two  # an explicit value wins
     for bad in ("3", "hi"):
         monkeypatch.setenv("CUTE_MLA_P_PLANES", bad)
