@@ -250,15 +250,22 @@ def main(argv=None) -> int:
                         help="the planner's per-segment cost in tiles (default: the planner's); repeat to compare")
     parser.add_argument("--kernel-times", action="store_true",
                         help="also trace the replays (torch.profiler) for each kernel's own duration in the step")
+    parser.add_argument("--p-planes", type=int, choices=(1, 2), default=None,
+                        help="e4m3 planes of P in the P.V MMA (sets CUTE_MLA_P_PLANES; default: 2, hi/lo)")
     parser.add_argument("--out-dir", default=os.environ.get("OUT", "bench-results"))
     args = parser.parse_args(argv)
+    if args.p_planes is not None:
+        os.environ["CUTE_MLA_P_PLANES"] = str(args.p_planes)
     if not torch.cuda.is_available():
         print("bench needs a CUDA GPU (Hopper)", file=sys.stderr)
         return 2
 
     bandwidth = measure_read_bandwidth()
     fp8 = measure_fp8_flops()
-    print(f"{torch.cuda.get_device_name(0)}: read bandwidth {bandwidth / 1e12:.2f} TB/s, FP8 GEMM {fp8 / 1e12:.0f} TFLOP/s")
+    from mla_backend.hopper.decode_sm90 import default_p_planes
+
+    print(f"{torch.cuda.get_device_name(0)}: read bandwidth {bandwidth / 1e12:.2f} TB/s, FP8 GEMM {fp8 / 1e12:.0f} TFLOP/s"
+          f", P in {default_p_planes(12, 1)} e4m3 plane(s)")
     cases = default_cases() + (extended_cases() if args.extended else [])
     cases = [c for c in cases if any(part in c.name for part in args.only.split("|"))]
     if args.segment_overhead:  # one row per (case, overhead), named by the overhead

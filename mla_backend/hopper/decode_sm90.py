@@ -41,6 +41,12 @@ Data path: FP8 end to end on the tensor cores (wgmma)
   average out against an output that is itself an average). hi + lo represents p to ~2^-8 relative (p * 256 keeps p >= 2^-14 out of
   e4m3's subnormals), which with fp32 accumulation and the bf16 output keeps the relative L2 error against the
   fp32 reference below 5e-3 (tests/hopper; the bench measures 4.5e-4 to 1.4e-3 on random data).
+  CUTE_MLA_P_PLANES=1 keeps one plane for more than 16 query rows (`default_p_planes`): half the P.V wgmmas and
+  P conversions, for ~10x the error (H200, same inputs: relative L2 7.5e-3 to 1.5e-2 against 8e-4 to 2.3e-3;
+  below the FP8 cache's own error against a bf16 cache, 0.8e-2 to 6.6e-2 in a torch emulation). Decode alone,
+  H200: H12 q8 1M x B1 512.4 -> 468.9 us, H128 q1 128K x B4 318.5 -> 274.7, H16 q2 1M x B2 423.0 -> 380.5, H12
+  q4 1M x B1 278.5 -> 247.6. Two planes stay the default: accuracy first, and the gain alone reaches no target
+  of the issues (docs/performance.md).
 - O^T (512 x ROWS, fp32) lives in registers: 4 m64 tiles x ROWS / 2 accumulators per thread.
 
 Rows per block
@@ -84,6 +90,7 @@ Shared memory per CTA (4 stages): 160 KB ring + 5 x ROWS x 128 B Q + 2 x 2 x ROW
 from __future__ import annotations
 
 import math
+import os
 from typing import Optional
 
 import cutlass
@@ -93,8 +100,8 @@ from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync
 
 from .cute_utils import cuda_stream, gmem_ptr
-from .warp_fp8 import (fence_operand, fence_proxy_async_smem, ldmatrix_x4, prmt, quantize_p_hi_lo,
-                       wgmma_commit, wgmma_fence, wgmma_rs_e4m3, wgmma_ss_e4m3, wgmma_wait)
+from .warp_fp8 import (fence_operand, fence_proxy_async_smem, ldmatrix_x4, prmt, quantize_p_e4m3,
+                       quantize_p_hi_lo, wgmma_commit, wgmma_fence, wgmma_rs_e4m3, wgmma_ss_e4m3, wgmma_wait)
 
 KV_DIM = 576
 V_DIM = 512
@@ -132,6 +139,22 @@ def default_num_stages(rows_per_block: int) -> int:
     return 4 if rows_per_block <= 32 else 3
 
 
+P_PLANES_ENV = "CUTE_MLA_P_PLANES"
+
+
+def default_p_planes(num_heads: int, q_len: int) -> int:
+    """e4m3 planes of P in the P.V MMA: 2 (hi and lo, the default) unless CUTE_MLA_P_PLANES says 1.
+
+    One plane trades accuracy for speed where the tensor work bounds the kernel (see Numerics in the module
+    docstring and docs/performance.md): relative output error ~1e-2 instead of ~1e-3, P.V half the tensor work.
+    It applies to more than 16 query rows (q_len x H) only: the memory-bound 16-row ping-pong schedule measured no
+    faster with it (H12 q_len 1 1M x B1, decode alone: 165.5 us with two planes, 174.8 with one)."""
+    value = os.environ.get(P_PLANES_ENV, "").strip()
+    if value not in ("", "1", "2"):
+        raise ValueError(f"{P_PLANES_ENV} must be 1 or 2, got {value!r}")
+    return 1 if value == "1" and num_heads * q_len > 16 else 2
+
+
 class MLADecodeSM90:
     """Static configuration and code of the split-KV decode kernel (see the module docstring)."""
 
@@ -145,6 +168,7 @@ class MLADecodeSM90:
         rows_per_block: Optional[int] = None,
         num_stages: Optional[int] = None,
         pingpong: Optional[bool] = None,
+        p_planes: Optional[int] = None,
     ):
         if page_size <= 0 or page_size & (page_size - 1):
             raise ValueError(f"page_size must be a power of two, got {page_size}")
@@ -185,6 +209,9 @@ class MLADecodeSM90:
         self.tpr = 1 << ((threads // self.rows).bit_length() - 1)
         self.softmax_threads = self.tpr * self.rows
         self.words_per_thread = (self.chunk // 4) // self.tpr  # P words (4 tokens) per softmax thread
+        self.p_planes = default_p_planes(num_heads, q_len) if p_planes is None else int(p_planes)
+        if self.p_planes not in (1, 2):
+            raise ValueError(f"p_planes must be 1 (e4m3 P) or 2 (hi/lo e4m3 P), got {self.p_planes}")
 
     @cute.jit
     def __call__(
@@ -732,7 +759,7 @@ class MLADecodeSM90:
         for t in cutlass.range_constexpr(4):
             at = acc_tile0 + t
             for ks in cutlass.range_constexpr(C // 32):
-                for plane in cutlass.range_constexpr(2):
+                for plane in cutlass.range_constexpr(self.p_planes):
                     d = wgmma_rs_e4m3(a_regs[t * (C // 32) + ks], p_addr + plane * (ROWS * 64) + ks * 2 * P_LBO,
                                       P_LBO, P_SBO, [acc_O[at * NA + i] for i in range(NA)])
                     for i in cutlass.range_constexpr(NA):
@@ -828,9 +855,13 @@ class MLADecodeSM90:
             w = ssub + TPR * i
             pv = [cute.math.exp2(vals[4 * i + j] - use_max, fastmath=True) for j in range(4)]
             csum = csum + (pv[0] + pv[1]) + (pv[2] + pv[3])
-            hi, lo = quantize_p_hi_lo(pv[0] * P_SCALE, pv[1] * P_SCALE, pv[2] * P_SCALE, pv[3] * P_SCALE)
-            sPw_buf[w, srow, 0] = hi
-            sPw_buf[w, srow, 1] = lo
+            if cutlass.const_expr(self.p_planes == 2):
+                hi, lo = quantize_p_hi_lo(pv[0] * P_SCALE, pv[1] * P_SCALE, pv[2] * P_SCALE, pv[3] * P_SCALE)
+                sPw_buf[w, srow, 0] = hi
+                sPw_buf[w, srow, 1] = lo
+            else:
+                sPw_buf[w, srow, 0] = quantize_p_e4m3(pv[0] * P_SCALE, pv[1] * P_SCALE, pv[2] * P_SCALE,
+                                                      pv[3] * P_SCALE)
         fence_proxy_async_smem()  # P is a wgmma operand
         csum = self._row_allreduce(csum, False)
         return new_max, row_sum * alpha + csum, alpha
@@ -854,18 +885,21 @@ class MLADecodeSM90:
 _COMPILED = {}
 
 
-def _static_key(num_heads, q_len, page_size, tile_tokens, causal, rows_per_block, num_stages, pingpong, arch):
+def _static_key(num_heads, q_len, page_size, tile_tokens, causal, rows_per_block, num_stages, pingpong, p_planes,
+                arch):
     rows = rows_per_block or default_rows_per_block(num_heads, q_len)
     num_stages = default_num_stages(rows) if num_stages is None else num_stages
     if pingpong is None:
         pingpong = rows == 16 and num_stages == 4
+    if p_planes is None:
+        p_planes = default_p_planes(num_heads, q_len)
     return (int(num_heads), int(q_len), int(page_size), int(tile_tokens), bool(causal), int(rows),
-            int(num_stages), bool(pingpong), arch)
+            int(num_stages), bool(pingpong), int(p_planes), arch)
 
 
 def compile_decode_sm90(num_heads: int, q_len: int, page_size: int, tile_tokens: int = 64, causal: bool = True,
                         rows_per_block: Optional[int] = None, num_stages: Optional[int] = None,
-                        pingpong: Optional[bool] = None,
+                        pingpong: Optional[bool] = None, p_planes: Optional[int] = None,
                         arch: str = "sm_90a"):
     """Compile (once per static key) and return the kernel's launcher function.
 
@@ -873,12 +907,13 @@ def compile_decode_sm90(num_heads: int, q_len: int, page_size: int, tile_tokens:
     softmax_scale, stream) are runtime arguments of the compiled function, so one compile serves every batch
     size / cache size / plan size. `arch` is passed to the compiler (`--gpu-arch`).
     """
-    key = _static_key(num_heads, q_len, page_size, tile_tokens, causal, rows_per_block, num_stages, pingpong, arch)
+    key = _static_key(num_heads, q_len, page_size, tile_tokens, causal, rows_per_block, num_stages, pingpong, p_planes,
+                      arch)
     fn = _COMPILED.get(key)
     if fn is not None:
         return fn
     op = MLADecodeSM90(num_heads, q_len, page_size, tile_tokens, causal, rows_per_block=key[5],
-                       num_stages=key[6], pingpong=key[7])
+                       num_stages=key[6], pingpong=key[7], p_planes=key[8])
     ptr = gmem_ptr
     args = (
         ptr(FP8, 16), ptr(FP8, 16), ptr(Int32, 4), ptr(Int32, 4), ptr(Float32, 4), ptr(Float32, 4),
@@ -905,7 +940,8 @@ def _plan_tensors(plan):
 
 def run_decode_sm90(q, kv_cache, block_table, seq_lens, softmax_scale, q_scale, k_scale, plan, out, lse,
                     partial_out, partial_lse, *, causal: bool = True, stream=None, tile_tokens: Optional[int] = None,
-                    rows_per_block: Optional[int] = None, pingpong: Optional[bool] = None):
+                    rows_per_block: Optional[int] = None, pingpong: Optional[bool] = None,
+                    p_planes: Optional[int] = None):
     """Launch the split-KV decode on torch CUDA tensors (no host sync, no allocation: CUDA-graph safe).
 
     q fp8 [B, q_len, H, 576] contiguous; kv_cache fp8 [num_pages, page_size, 576] (or [.., 1, 576]) with
@@ -931,7 +967,8 @@ def run_decode_sm90(q, kv_cache, block_table, seq_lens, softmax_scale, q_scale, 
     if not (q.is_contiguous() and out.is_contiguous() and lse.is_contiguous() and partial_out.is_contiguous()
             and partial_lse.is_contiguous()):
         raise ValueError("q, out, lse, partial_out and partial_lse must be contiguous")
-    fn = compile_decode_sm90(num_heads, q_len, page_size, tile, causal, rows_per_block, pingpong=pingpong)
+    fn = compile_decode_sm90(num_heads, q_len, page_size, tile, causal, rows_per_block, pingpong=pingpong,
+                             p_planes=p_planes)
     num_ctas = cta_first_request.shape[0]
     max_batch = num_splits.shape[0]
     num_slots = partial_lse.shape[0]

@@ -58,6 +58,22 @@ def prmt(a, b, selector: int, *, loc=None, ip=None):
 
 
 @dsl_user_op
+def quantize_p_e4m3(p0, p1, p2, p3, *, loc=None, ip=None):
+    """One e4m3x4 word, byte i from p_i (round to nearest, saturating)."""
+    return Int32(_asm(
+        T.i32(),
+        [Float32(x).ir_value(loc=loc, ip=ip) for x in (p0, p1, p2, p3)],
+        "{\n"
+        ".reg .b16 h0, h1;\n"
+        "cvt.rn.satfinite.e4m3x2.f32 h0, $2, $1;\n"
+        "cvt.rn.satfinite.e4m3x2.f32 h1, $4, $3;\n"
+        "mov.b32 $0, {h0, h1};\n"
+        "}",
+        "=r,f,f,f,f",
+        False, loc, ip))
+
+
+@dsl_user_op
 def quantize_p_hi_lo(p0, p1, p2, p3, *, loc=None, ip=None):
     """(hi, lo) e4m3x4 words, byte i from p_i: hi = e4m3(p), lo = e4m3(p - float(hi)); saturating."""
     res = _asm(

@@ -88,22 +88,46 @@ def test_pingpong_is_the_16_row_default_and_needs_16_rows():
     assert fn.decode_op.pingpong is False and compile_decode_sm90(12, 1, 32, arch="sm_90a") is not fn
 
 
+def test_p_planes_knob(monkeypatch):
+    """P in one e4m3 plane (CUTE_MLA_P_PLANES=1, more than 16 rows only) or two (hi/lo, the default): part of the
+    static key, and a bad value is an error naming the variable."""
+    from mla_backend.hopper.decode_sm90 import MLADecodeSM90, compile_decode_sm90, default_p_planes
+
+    monkeypatch.delenv("CUTE_MLA_P_PLANES", raising=False)
+    assert default_p_planes(12, 8) == 2 and MLADecodeSM90(12, 8, 32).p_planes == 2
+    two = compile_decode_sm90(12, 8, 32, arch="sm_90a")
+    monkeypatch.setenv("CUTE_MLA_P_PLANES", "1")
+    assert MLADecodeSM90(12, 8, 32).p_planes == 1
+    one = compile_decode_sm90(12, 8, 32, arch="sm_90a")
+    assert one is not two and one.decode_op.p_planes == 1 and two.decode_op.p_planes == 2
+    assert default_p_planes(12, 1) == 2 and default_p_planes(8, 2) == 2 and default_p_planes(16, 2) == 1
+    assert MLADecodeSM90(12, 1, 32, pingpong=False, p_planes=1).p_planes == 1  # explicit, any schedule
+    assert compile_decode_sm90(12, 8, 32, p_planes=2, arch="sm_90a") is two  # an explicit value wins
+    for bad in ("3", "hi"):
+        monkeypatch.setenv("CUTE_MLA_P_PLANES", bad)
+        with pytest.raises(ValueError, match="CUTE_MLA_P_PLANES"):
+            MLADecodeSM90(12, 8, 32)
+    with pytest.raises(ValueError, match="p_planes"):
+        MLADecodeSM90(12, 8, 32, p_planes=3)
+
+
 _PTX_SCRIPT = """
 import sys
 sys.path.insert(0, {repo!r})
 from mla_backend.hopper.decode_sm90 import compile_decode_sm90
-compile_decode_sm90(num_heads={h}, q_len={q}, page_size={p}, causal=True, rows_per_block={rows}, arch="sm_90a")
+compile_decode_sm90(num_heads={h}, q_len={q}, page_size={p}, causal=True, rows_per_block={rows}, p_planes={planes},
+                    arch="sm_90a")
 """
 
 
-@pytest.mark.parametrize("num_heads,q_len,page_size,rows", [(12, 1, 32, None), (16, 2, 64, None), (12, 8, 32, None),
-                                                            (128, 8, 32, None), (12, 8, 32, 48), (128, 1, 64, 48),
-                                                            (128, 1, 64, 64)])
-def test_no_spills(tmp_path, num_heads, q_len, page_size, rows):
+@pytest.mark.parametrize("num_heads,q_len,page_size,rows,planes", [
+    (12, 1, 32, None, 2), (16, 2, 64, None, 2), (12, 8, 32, None, 2), (128, 8, 32, None, 2), (12, 8, 32, 48, 2),
+    (128, 1, 64, 48, 2), (128, 1, 64, 64, 2), (12, 1, 32, None, 1), (12, 8, 32, None, 1), (128, 1, 64, 64, 1)])
+def test_no_spills(tmp_path, num_heads, q_len, page_size, rows, planes):
     ptxas = shutil.which("ptxas")
     assert ptxas, "ptxas (CUDA 12.8+ / 13) must be on PATH: the spill check is part of the CPU suite"
     env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="ptx", CUTE_DSL_DUMP_DIR=str(tmp_path))
-    script = _PTX_SCRIPT.format(repo=REPO, h=num_heads, q=q_len, p=page_size, rows=rows)
+    script = _PTX_SCRIPT.format(repo=REPO, h=num_heads, q=q_len, p=page_size, rows=rows, planes=planes)
     subprocess.run([sys.executable, "-c", script], env=env, check=True, cwd=str(tmp_path))
     ptx = glob.glob(str(tmp_path / "*.ptx"))
     assert ptx, "no PTX kept"

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.gpu
 M = 1 << 20
 
 
-def check_against_reference(out, lse, ref_out, ref_lse):
+def check_against_reference(out, lse, ref_out, ref_lse, rel_tol=5e-3, row_tol=5e-2):
     """FP8 inputs enter the FP8 MMAs exactly, so the error comes from P (two e4m3 planes, ~2^-8 relative), fp32
     accumulation order and the bf16 output: relative L2 error under 5e-3, lse within 2e-3."""
     assert not torch.isnan(out).any(), "unwritten or NaN output"
@@ -29,14 +29,14 @@ def check_against_reference(out, lse, ref_out, ref_lse):
     assert torch.all(out[empty] == 0), "rows without KV must be 0"
     ref = ref_out.float()
     err = (out.float() - ref).norm() / ref.norm().clamp(min=1e-30)
-    assert err < 5e-3, f"relative error {err:.2e}"
+    assert err < rel_tol, f"relative error {err:.2e}"
     finite = ~empty
     torch.testing.assert_close(lse[finite], ref_lse[finite], atol=2e-3, rtol=1e-4)
     per_row = (out.float() - ref).abs().amax(-1) / ref.abs().amax(-1).clamp(min=1e-6)
-    assert per_row.max() < 5e-2, f"worst row error {per_row.max():.2e}"
+    assert per_row.max() < row_tol, f"worst row error {per_row.max():.2e}"
 
 
-def run_and_check(lengths, heads, q_len, page, causal=True, seed=0):
+def run_and_check(lengths, heads, q_len, page, causal=True, seed=0, **tolerances):
     q, kv, bt, sl, qs, ks = make_decode_inputs(lengths, q_len=q_len, num_heads=heads, page_size=page,
                                                device="cuda", seed=seed)
     out = torch.full((len(lengths), q_len, heads, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
@@ -44,7 +44,7 @@ def run_and_check(lengths, heads, q_len, page, causal=True, seed=0):
     kwargs = dict(softmax_scale=576 ** -0.5, q_scale=qs, k_scale=ks, causal=causal)
     mla_decode(q, kv, bt, sl, out=out, lse=lse, **kwargs)
     ref_out, ref_lse = mla_decode_reference(q, kv, bt, sl, **kwargs)
-    check_against_reference(out, lse, ref_out, ref_lse)
+    check_against_reference(out, lse, ref_out, ref_lse, **tolerances)
 
 
 EDGE = [0, 1, 31, 32, 33, 4095]
@@ -86,6 +86,21 @@ def test_batch_sizes(batch):
     g = torch.Generator().manual_seed(batch)
     lengths = torch.randint(0, 20000, (batch,), generator=g).tolist()
     run_and_check(lengths, 12, 2, 32, seed=batch)
+
+
+@pytest.mark.parametrize("heads,q_len,page,lengths", [(32, 1, 32, EDGE + [131072]), (12, 8, 32, EDGE + [5000]),
+                                                      (16, 2, 64, EDGE + [5000]), (128, 1, 32, [1, 33, 3000]),
+                                                      (16, 8, 64, [M, 33])])
+def test_one_e4m3_plane_for_p(monkeypatch, heads, q_len, page, lengths):
+    """CUTE_MLA_P_PLANES=1: P in one e4m3 plane (3 mantissa bits: up to 2^-4 relative per p) for more than 16
+    rows. Measured (H200, similar inputs): relative L2 error 7.5e-3 to 1.5e-2 and worst rows up to 4.6e-2 (two
+    planes: 8e-4 to 2.3e-3 and 7.8e-3), so this checks 3e-2 and 1e-1; the lse does not depend on P's rounding."""
+    from mla_backend.hopper import decode_sm90
+
+    monkeypatch.setenv("CUTE_MLA_P_PLANES", "1")
+    run_and_check(lengths, heads, q_len, page, seed=heads + q_len, rel_tol=3e-2, row_tol=1e-1)
+    # the kernel that ran: static key (heads, q_len, page, tile, causal, rows, stages, pingpong, p_planes, arch)
+    assert any(k[:3] == (heads, q_len, page) and k[8] == 1 for k in decode_sm90._COMPILED)
 
 
 def test_bf16_q_is_quantized_on_the_device():
