@@ -264,8 +264,8 @@ def main(argv=None) -> int:
     fp8 = measure_fp8_flops()
     from mla_backend.hopper.decode_sm90 import default_p_planes
 
-    print(f"{torch.cuda.get_device_name(0)}: read bandwidth {bandwidth / 1e12:.2f} TB/s, FP8 GEMM {fp8 / 1e12:.0f} TFLOP/s"
-          f", P in {default_p_planes(12, 1)} e4m3 plane(s)")
+    print(f"{torch.cuda.get_device_name(0)}: read bandwidth {bandwidth / 1e12:.2f} TB/s, "
+          f"FP8 GEMM {fp8 / 1e12:.0f} TFLOP/s, P in {default_p_planes(12, 8)} e4m3 plane(s) above 16 query rows")
     cases = default_cases() + (extended_cases() if args.extended else [])
     cases = [c for c in cases if any(part in c.name for part in args.only.split("|"))]
     if args.segment_overhead:  # one row per (case, overhead), named by the overhead
