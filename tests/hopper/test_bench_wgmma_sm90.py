@@ -1,0 +1,28 @@
+"""benchmarks/bench_wgmma_sm90.py: the wgmma throughput kernels compile for sm_90a without a GPU, for shared and
+register A operands, one and two warpgroups, narrow and full N; bad N is refused."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                                "benchmarks"))
+
+
+@pytest.mark.parametrize("n,rs,warpgroups", [(16, False, 1), (48, True, 2), (256, True, 2), (96, False, 2)])
+def test_compiles(n, rs, warpgroups):
+    from bench_wgmma_sm90 import compile_wgmma_throughput
+
+    assert callable(compile_wgmma_throughput(n, rs, warpgroups, ksteps=4))
+
+
+@pytest.mark.parametrize("n,warpgroups", [(20, 1), (264, 1), (64, 3)])
+def test_bad_configuration_is_refused(n, warpgroups):
+    from bench_wgmma_sm90 import WgmmaThroughput
+
+    with pytest.raises(ValueError, match="n must|warpgroups must"):
+        WgmmaThroughput(n, False, warpgroups)
