@@ -53,3 +53,12 @@ def test_dry_run_with_mtp_and_pages_of_32(tmp_path):
     assert config["speculative"] == {"method": "mtp", "num_speculative_tokens": 3}
     assert "q_len 4" in config["decode_graphs"]
     assert '"method": "mtp"' in command and command.endswith("--port 8001")
+
+
+def test_dry_run_passes_the_p_planes_choice_to_vllm(tmp_path):
+    model = deepseek_v3_config(str(tmp_path / "ds3"))
+    rc, config, command = dry_run(model, "--num-speculative-tokens", "1", "--p-planes", "1")
+    assert rc == 0, config
+    assert command.startswith("command: CUTE_MLA_P_PLANES=1 vllm serve ")
+    rc, config, command = dry_run(model)
+    assert rc == 0 and "CUTE_MLA_P_PLANES" not in command
