@@ -153,6 +153,7 @@ def trace_kernel_durations(graph, flush, reps: int):
 
 def run_case(case: Case, bandwidth: float, fp8_flops: float, reps: int, check: bool, kernel_times: bool = False):
     from mla_backend import DecodeWorkspace, SplitPlan, mla_decode, mla_decode_reference, plan_splits
+    from mla_backend.planner import default_num_ctas
 
     torch.manual_seed(0)
     batch, page = len(case.lengths), case.page_size
@@ -175,9 +176,8 @@ def run_case(case: Case, bandwidth: float, fp8_flops: float, reps: int, check: b
     k_scale = torch.tensor([0.05], device="cuda")
     out = torch.empty(batch, case.q_len, case.heads, LATENT_DIM, dtype=torch.bfloat16, device="cuda")
     lse = torch.empty(batch, case.q_len, case.heads, dtype=torch.float32, device="cuda")
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
     overhead = {} if case.segment_overhead is None else {"segment_overhead": case.segment_overhead}
-    plan = SplitPlan.empty(batch, sms, device="cuda", **overhead)
+    plan = SplitPlan.empty(batch, default_num_ctas("cuda", case.heads, case.q_len), device="cuda", **overhead)
     ws = DecodeWorkspace.for_plan(plan, case.q_len, case.heads)
     scale = 1.0 / (KV_DIM ** 0.5)
 

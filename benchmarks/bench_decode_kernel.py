@@ -62,8 +62,6 @@ def load_variant(path: str, index: int):
 
 
 def make_inputs(heads, q_len, page, kv_len, batch, seed=0):
-    from mla_backend import DecodeWorkspace, SplitPlan, plan_splits
-
     torch.manual_seed(seed)
     lengths = [kv_len] * batch
     pages_per = [-(-n // page) for n in lengths]
@@ -81,11 +79,22 @@ def make_inputs(heads, q_len, page, kv_len, batch, seed=0):
     seq_lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
     q = torch.randn(batch, q_len, heads, KV_DIM, device="cuda").to(torch.float8_e4m3fn)
     scales = torch.tensor([0.05], device="cuda"), torch.tensor([0.05], device="cuda")
-    plan = SplitPlan.empty(batch, torch.cuda.get_device_properties(0).multi_processor_count, device="cuda")
-    plan_splits(seq_lens, q_len=q_len, num_heads=heads, page_size=page, out=plan)
-    ws = DecodeWorkspace.for_plan(plan, q_len, heads)
-    return dict(q=q, kv=kv, block_table=block_table, seq_lens=seq_lens, scales=scales, plan=plan, ws=ws,
-                kv_bytes=sum(lengths) * KV_DIM)
+    inp = dict(q=q, kv=kv, block_table=block_table, seq_lens=seq_lens, scales=scales,
+               kv_bytes=sum(lengths) * KV_DIM)
+    from mla_backend.planner import default_num_ctas
+
+    return with_plan(inp, default_num_ctas("cuda", heads, q_len))
+
+
+def with_plan(inp, num_ctas):
+    """inp (same tensors) with a plan of num_ctas CTAs and its workspace."""
+    from mla_backend import DecodeWorkspace, SplitPlan, plan_splits
+
+    batch, q_len, heads, _ = inp["q"].shape
+    page = inp["kv"].shape[1]
+    plan = SplitPlan.empty(batch, num_ctas, device="cuda")
+    plan_splits(inp["seq_lens"], q_len=q_len, num_heads=heads, page_size=page, out=plan)
+    return dict(inp, plan=plan, ws=DecodeWorkspace.for_plan(plan, q_len, heads))
 
 
 def decode_fn(module, inp, rows_per_block=None):
@@ -100,9 +109,14 @@ def decode_fn(module, inp, rows_per_block=None):
     return decode
 
 
-def run_case(case, versions, rounds, per_round, bandwidth, rows_per_block=None):
+def run_case(case, versions, rounds, per_round, bandwidth, rows_per_block=None, ctas=()):
+    """Time every version on one case; with `ctas`, the current kernel also on plans of those CTA counts."""
     inp = make_inputs(*case)
     fns = [decode_fn(m, inp, rows_per_block) for _, m in versions]
+    versions = list(versions)
+    for n in ctas:
+        fns.append(decode_fn(versions[0][1], with_plan(inp, n), rows_per_block))
+        versions.append((f"{versions[0][0]}, {n} plan CTAs", versions[0][1]))
     for fn in fns:  # compile, then ~0.3 s of warm-up: an idle H200 sits at 345 MHz
         fn()
     torch.cuda.synchronize()
@@ -136,6 +150,8 @@ def main(argv=None) -> int:
     p.add_argument("--variant", action="append", default=[], help="a copy of decode_sm90.py to time as well")
     p.add_argument("--rows-per-block", type=int, default=None,
                    help="query rows per CTA (16, 32, 48 or 64; default: decode_sm90.default_rows_per_block)")
+    p.add_argument("--ctas", type=int, action="append", default=[],
+                   help="also time the current kernel on a plan of this many CTAs (default: planner.default_num_ctas)")
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--per-round", type=int, default=5)
     args = p.parse_args(argv)
@@ -156,7 +172,7 @@ def main(argv=None) -> int:
     bandwidth = measure_read_bandwidth()
     print(f"read bandwidth {bandwidth / 1e12:.2f} TB/s")
     for c in cases:
-        run_case(c, versions, args.rounds, args.per_round, bandwidth, args.rows_per_block)
+        run_case(c, versions, args.rounds, args.per_round, bandwidth, args.rows_per_block, args.ctas)
     return 0
 
 

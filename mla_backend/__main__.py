@@ -108,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--q-len", type=int, default=1)
     plan.add_argument("--page-size", type=int, default=32)
     plan.add_argument("--tile-tokens", type=int, default=None)
-    plan.add_argument("--ctas", type=int, default=None, help="CTAs in the decode grid (default: 132, an H200)")
+    plan.add_argument("--ctas", type=int, default=None, help="plan CTAs (default: an H200's 132 SMs over the decode's row blocks, planner.default_num_ctas)")
     plan.add_argument("--overhead", type=int, default=None, help="per-segment overhead in tiles")
     plan.set_defaults(func=cmd_plan)
 

@@ -68,10 +68,11 @@ def _own_plan(seq_lens: Tensor, q_len: int, num_heads: int, page_size: int, batc
     max_batch = batch_bucket(batch)
     if torch.cuda.is_current_stream_capturing():
         return plan_splits(seq_lens, q_len=q_len, num_heads=num_heads, page_size=page_size, max_batch=max_batch)
-    key = (seq_lens.device, max_batch)
+    num_ctas = default_num_ctas(seq_lens.device, num_heads, q_len)
+    key = (seq_lens.device, max_batch, num_ctas)
     plan = _default_plans.get(key)
     if plan is None:
-        plan = SplitPlan.empty(max_batch, default_num_ctas(seq_lens.device), device=seq_lens.device)
+        plan = SplitPlan.empty(max_batch, num_ctas, device=seq_lens.device)
         _default_plans[key] = plan
     return plan_splits(seq_lens, q_len=q_len, num_heads=num_heads, page_size=page_size, out=plan)
 

@@ -28,6 +28,8 @@ from typing import Optional
 
 import torch
 
+from .shapes import decode_row_blocks
+
 Tensor = torch.Tensor
 
 DEFAULT_TILE_TOKENS = 64
@@ -42,11 +44,28 @@ MAX_PLANNED_KV_LEN = 1 << 24
 H200_SMS = 132
 
 
-def default_num_ctas(device=None) -> int:
-    """One wave of CTAs: the SM count of the device, or an H200's 132 where there is no GPU."""
+def device_sms(device=None) -> int:
+    """The SM count of a CUDA device, or an H200's 132 where there is no GPU."""
     if device is not None and torch.device(device).type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return H200_SMS
+
+
+def default_num_ctas(device=None, num_heads: Optional[int] = None, q_len: Optional[int] = None) -> int:
+    """Plan CTAs for one wave of decode CTAs: the SM count, divided by the decode's row blocks per plan CTA
+    (`shapes.decode_row_blocks`) when the shape is given and they divide it.
+
+    The decode launches (row blocks x plan CTAs) CTAs, one per SM at a time. With 132 plan CTAs and two row
+    blocks (H12 q_len 8, H128) that is two waves of equally long CTAs; 66 plan CTAs give one wave of CTAs twice
+    as long: half the segments (Q loads, pipeline fills, partials to merge). H200, decode alone, one process:
+    H12 q8 1M x B1 534.2 -> 527.4 us, q8 128K x B4 275.0 -> 269.6, q8 128K x B1 79.2 -> 74.0, H128 q1 128K x B4
+    325.3 -> 317.9 (docs/performance.md). A count that does not divide the SMs keeps one plan CTA per SM: one
+    wave would leave SMs idle."""
+    sms = device_sms(device)
+    if num_heads is None or q_len is None:
+        return sms
+    blocks = decode_row_blocks(num_heads, q_len)
+    return sms // blocks if sms % blocks == 0 else sms
 
 
 @dataclass
@@ -154,7 +173,7 @@ def plan_splits(seq_lens: Tensor, *, q_len: int, num_heads: int, page_size: int,
     tile_tokens = DEFAULT_TILE_TOKENS if tile_tokens is None else tile_tokens
     if tile_tokens % page_size and page_size % tile_tokens:
         raise ValueError(f"tile_tokens ({tile_tokens}) and page_size ({page_size}) must divide one another")
-    num_ctas = default_num_ctas(seq_lens.device) if num_ctas is None else num_ctas
+    num_ctas = default_num_ctas(seq_lens.device, num_heads, q_len) if num_ctas is None else num_ctas
     batch = seq_lens.shape[0]
     max_batch = batch if max_batch is None else max_batch
     if batch > max_batch:

@@ -18,6 +18,22 @@ MAX_Q_LEN = 8  # decode plus MTP verify; a longer q block is a prefill and goes 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max
 
+
+def default_rows_per_block(num_heads: int, q_len: int) -> int:
+    """Query rows (q_len x H) per CTA of the SM90 decode kernel: 16 when they fit (the ping-pong schedule),
+    otherwise the fewest row blocks of 32, 48 or 64 rows, the smallest block on a tie. Each row block reads
+    the request's KV span once more (fewer padded rows and more free registers decide the tie)."""
+    rows = num_heads * q_len
+    if rows <= 16:
+        return 16
+    return min((32, 48, 64), key=lambda size: (-(-rows // size), size))
+
+
+def decode_row_blocks(num_heads: int, q_len: int) -> int:
+    """CTAs the decode kernel runs per plan CTA: ceil(q_len x H / rows per block)."""
+    rows = num_heads * q_len
+    return -(-rows // default_rows_per_block(num_heads, q_len))
+
 Tensor = torch.Tensor
 
 

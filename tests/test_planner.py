@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from mla_backend import SplitPlan, plan_splits
-from mla_backend.planner import batch_bucket
+from mla_backend.planner import batch_bucket, default_num_ctas
 
 TILE = 64
 EDGE_LENGTHS = [0, 1, TILE - 1, TILE, TILE + 1, 4096, 131072, 1 << 20]
@@ -110,6 +110,19 @@ def test_padding_to_max_batch_and_refilling_buffers_in_place():
         for a, b in zip(plan.tensors(), fresh.tensors()):
             assert torch.equal(a, b)
         assert torch.all(plan.num_splits[len(lengths):] == 0)
+
+
+def test_default_num_ctas_makes_one_wave_of_decode_ctas():
+    # no GPU here: an H200's 132 SMs; the decode runs row blocks x plan CTAs
+    assert default_num_ctas() == 132
+    assert default_num_ctas(None, 12, 1) == 132  # 12 rows: one 16-row block
+    assert default_num_ctas(None, 16, 4) == 132  # 64 rows: one block
+    assert default_num_ctas(None, 12, 8) == 66  # 96 rows: two blocks of 48
+    assert default_num_ctas(None, 128, 1) == 66  # two blocks of 64
+    assert default_num_ctas(None, 24, 8) == 44  # 192 rows: three blocks of 64
+    assert default_num_ctas(None, 128, 4) == 132  # eight blocks do not divide 132: one plan CTA per SM
+    plan = plan_splits(torch.tensor([5000, 70], dtype=torch.int32), q_len=8, num_heads=12, page_size=32)
+    assert plan.num_ctas == 66
 
 
 def test_batch_bucket_is_the_next_power_of_two_from_8():

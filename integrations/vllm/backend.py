@@ -125,20 +125,23 @@ class CuteMLAFP8MetadataBuilder(MLACommonMetadataBuilder[CuteMLAFP8Metadata]):
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device, CuteMLAFP8Metadata)
-        max_batch = vllm_config.scheduler_config.max_num_seqs
-        self.split_plan = SplitPlan.empty(max_batch, default_num_ctas(device), device=device)
+        self._max_batch = vllm_config.scheduler_config.max_num_seqs
+        self._device = device
         # Allocated now, before any graph capture: the decode q_len of this engine, and 1 (steps without
-        # drafts, and the drafter's own decode).
-        self._workspaces: dict[int, DecodeWorkspace] = {}
+        # drafts, and the drafter's own decode). A plan per q_len: its CTA count depends on the query rows.
+        self._plans: dict[int, tuple[SplitPlan, DecodeWorkspace]] = {}
         for q_len in sorted({1, min(self.reorder_batch_threshold, MAX_Q_LEN)}):
-            self._workspace(q_len)
+            self._plan_and_workspace(q_len)
 
-    def _workspace(self, q_len: int) -> DecodeWorkspace:
-        workspace = self._workspaces.get(q_len)
-        if workspace is None:
-            workspace = DecodeWorkspace.for_plan(self.split_plan, q_len, self.num_heads)
-            self._workspaces[q_len] = workspace
-        return workspace
+    def _plan_and_workspace(self, q_len: int) -> tuple[SplitPlan, DecodeWorkspace]:
+        """The persistent split plan and workspace for decodes of q_len tokens (refilled every step)."""
+        entry = self._plans.get(q_len)
+        if entry is None:
+            plan = SplitPlan.empty(self._max_batch, default_num_ctas(self._device, self.num_heads, q_len),
+                                   device=self._device)
+            entry = (plan, DecodeWorkspace.for_plan(plan, q_len, self.num_heads))
+            self._plans[q_len] = entry
+        return entry
 
     def _build_decode(self, block_table_tensor, seq_lens_device, max_seq_len, query_start_loc_cpu,
                       query_start_loc_device, num_decode_tokens, max_query_len, dcp_tot_seq_lens_device):
@@ -149,15 +152,15 @@ class CuteMLAFP8MetadataBuilder(MLACommonMetadataBuilder[CuteMLAFP8Metadata]):
         if remainder or not 1 <= q_len <= MAX_Q_LEN:
             raise ValueError(f"{BACKEND_NAME} decodes uniform query blocks of 1..{MAX_Q_LEN} tokens; got "
                              f"{num_decode_tokens} tokens over {num_decodes} requests")
-        plan_splits(seq_lens_device, q_len=q_len, num_heads=self.num_heads, page_size=self.page_size,
-                    out=self.split_plan)
+        plan, workspace = self._plan_and_workspace(q_len)
+        plan_splits(seq_lens_device, q_len=q_len, num_heads=self.num_heads, page_size=self.page_size, out=plan)
         return CuteMLAFP8DecodeMetadata(
             block_table=block_table_tensor,
             seq_lens=seq_lens_device,
             dcp_tot_seq_lens=dcp_tot_seq_lens_device,
             q_len=q_len,
-            split_plan=self.split_plan,
-            workspace=self._workspace(q_len),
+            split_plan=plan,
+            workspace=workspace,
         )
 
 

@@ -28,6 +28,7 @@ import cutlass.memory
 import cutlass.cute as cute
 import torch
 
+from ..planner import device_sms
 from ..shapes import LATENT_DIM
 from .cute_utils import cuda_stream, gmem_ptr
 
@@ -222,9 +223,9 @@ class CombineSplitsSM90:
 _compiled = {}
 
 
-def combine_dim_splits(batch: int, rows: int, num_ctas: int) -> int:
-    """CTAs per (request, row): DIM_SPLITS while all rows fit in one wave of num_ctas CTAs, else 1."""
-    return DIM_SPLITS if batch * rows <= num_ctas else 1
+def combine_dim_splits(batch: int, rows: int, num_sms: int) -> int:
+    """CTAs per (request, row): DIM_SPLITS while all rows fit in one wave of num_sms CTAs, else 1."""
+    return DIM_SPLITS if batch * rows <= num_sms else 1
 
 
 def compile_combine_sm90(rows: int, dim_splits: int = 1):
@@ -258,7 +259,8 @@ def run_combine_sm90(plan, partial_out: torch.Tensor, partial_lse: torch.Tensor,
         raise ValueError("partial_out, partial_lse, out, lse and the plan's tensors must be contiguous")
     if partial_out.data_ptr() % 16 or out.data_ptr() % 16:
         raise ValueError("partial_out and out must be 16-byte aligned")
-    fn = compile_combine_sm90(rows, combine_dim_splits(batch, rows, plan.num_ctas))
+    # the SM count, not the plan's CTAs: a plan for two row blocks has half as many CTAs as SMs
+    fn = compile_combine_sm90(rows, combine_dim_splits(batch, rows, device_sms(out.device)))
     fn(gmem_ptr(cutlass.Float32, 16, partial_out.data_ptr()), gmem_ptr(cutlass.Float32, 4, partial_lse.data_ptr()),
        gmem_ptr(cutlass.BFloat16, 16, out.data_ptr()), gmem_ptr(cutlass.Float32, 4, lse.data_ptr()),
        gmem_ptr(cutlass.Int32, 4, plan.num_splits.data_ptr()),

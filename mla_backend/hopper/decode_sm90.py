@@ -99,6 +99,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync
 
+from ..shapes import default_rows_per_block
 from .cute_utils import cuda_stream, gmem_ptr
 from .warp_fp8 import (fence_operand, fence_proxy_async_smem, ldmatrix_x4, prmt, quantize_p_e4m3,
                        quantize_p_hi_lo, wgmma_commit, wgmma_fence, wgmma_rs_e4m3, wgmma_ss_e4m3, wgmma_wait)
@@ -124,15 +125,6 @@ S_STRIDE = 64 + 8  # padded fp32 row of the S partials
 
 FP8 = cutlass.Float8E4M3FN
 BF16 = cutlass.BFloat16
-
-
-def default_rows_per_block(num_heads: int, q_len: int) -> int:
-    rows = num_heads * q_len
-    if rows <= 16:
-        return 16
-    # each row block reads the whole KV span once more, so the fewest blocks; among equals the smallest block
-    # (fewer padded rows, more registers left)
-    return min((32, 48, 64), key=lambda size: (-(-rows // size), size))
 
 
 def default_num_stages(rows_per_block: int) -> int:

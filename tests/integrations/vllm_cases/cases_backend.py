@@ -17,6 +17,7 @@ import tiny_deepseek
 
 import mla_backend.integrations.vllm as plugin
 from mla_backend import plan_splits
+from mla_backend.shapes import decode_row_blocks
 from mla_backend.reference import mla_decode_reference
 
 plugin.register()
@@ -202,10 +203,11 @@ def test_builder_plans_once_per_step_into_persistent_buffers(tmp_path):
     generator = torch.Generator().manual_seed(7)
     config, builder, _ = make_engine(tmp_path, 64, num_speculative_tokens=3)
     max_num_seqs = config.scheduler_config.max_num_seqs
-    plan = builder.split_plan
-    assert plan.max_batch == max_num_seqs and plan.num_ctas == 132  # an H200's SM count where there is no GPU
+    plan, workspace = builder._plan_and_workspace(4)
+    # an H200's SM count where there is no GPU, divided by the decode's row blocks (one for 4 x NUM_HEADS rows)
+    assert plan.max_batch == max_num_seqs and plan.num_ctas == 132 // decode_row_blocks(NUM_HEADS, 4)
+    assert builder._plan_and_workspace(8)[0].num_ctas == 66  # 128 rows: two row blocks, one wave of 132 CTAs
     pointers = [t.data_ptr() for t in plan.tensors()]
-    workspace = builder._workspaces[4]
     for seq_lens in ([4, 900, 33], [70, 5, 1000, 640, 9]):
         batch = decode_batch(seq_lens, 4, 64, 128, generator)
         with set_current_vllm_config(config):
@@ -213,7 +215,7 @@ def test_builder_plans_once_per_step_into_persistent_buffers(tmp_path):
         assert metadata.decode.split_plan is plan and metadata.decode.workspace is workspace
         assert [t.data_ptr() for t in plan.tensors()] == pointers
         expected = plan_splits(batch.seq_lens, q_len=4, num_heads=NUM_HEADS, page_size=64, max_batch=max_num_seqs,
-                               num_ctas=132)
+                               num_ctas=plan.num_ctas)
         for got, want in zip(plan.tensors(), expected.tensors()):
             assert torch.equal(got, want)
 
