@@ -82,6 +82,15 @@ the lse tolerance). On the H200 this took q_len 1 at 1M tokens from 1.31-1.38x t
 alone); with 32 rows it would need 128 O^T accumulators per thread, and 16-row blocks for 32+ rows were slower
 (a second pass over the KV).
 
+S^T warpgroup (32- and 48-row blocks, `kernel_sw`, the default; CUTE_MLA_S_WARPGROUP=0 turns it off): a third
+warpgroup loads Q and the KV ring and runs all 18 k32 steps of S^T per chunk, storing the full S^T into one of
+two buffers; warpgroups 0 and 1 run only the softmax and P.V. The softmax warps no longer issue, wait for or store
+S^T, and S^T(ci + 1) runs under the softmax of chunk ci. H200, decode alone, one process, against the
+two-warpgroup split schedule: H12 q8 1M x B1 512.9 -> 426.1 us (one P plane 467.8 -> 378.2), q8 128K x B4 263.1
+-> 221.7, H16 q2 1M x B2 447.1 -> 395.5, H12 q4 1M x B1 280.6 -> 238.2. (The softmax in a third warpgroup instead
+was no faster: one warpgroup's softmax chain became the bottleneck.) 64-row blocks keep `kernel`: the S^T
+warpgroup's 64 accumulators and the P.V warpgroups' 128 O^T registers do not fit 3 x 168 registers.
+
 Shared memory per CTA (4 stages): 160 KB ring + 5 x ROWS x 128 B Q + 2 x 2 x ROWS x 72 x 4 B S partials +
 2 x ROWS x 64 B P (~190 KB for ROWS 16, ~220 KB for ROWS 32); 3 stages and one S^T buffer: ~191 KB for ROWS 48,
 ~214 KB for ROWS 64.
@@ -132,6 +141,15 @@ def default_num_stages(rows_per_block: int) -> int:
 
 
 P_PLANES_ENV = "CUTE_MLA_P_PLANES"
+# setmaxnreg of the softmax / P.V warpgroups and of the S^T warpgroup in `kernel_sw`: 2 x 208 + 88 = 504 =
+# 3 x 168, what a 384-thread launch gives each thread triple (setmaxnreg.inc waits for registers that .dec freed)
+SW_REGS_PV = 208
+SW_REGS_S = 88
+
+
+def default_s_warpgroup(rows_per_block: int) -> bool:
+    """Whether 32- and 48-row blocks run `kernel_sw` (S^T and the KV loads in a third warpgroup)."""
+    return rows_per_block in (32, 48) and os.environ.get("CUTE_MLA_S_WARPGROUP", "1") == "1"
 
 
 def default_p_planes(num_heads: int, q_len: int) -> int:
@@ -161,6 +179,7 @@ class MLADecodeSM90:
         num_stages: Optional[int] = None,
         pingpong: Optional[bool] = None,
         p_planes: Optional[int] = None,
+        s_warpgroup: Optional[bool] = None,
     ):
         if page_size <= 0 or page_size & (page_size - 1):
             raise ValueError(f"page_size must be a power of two, got {page_size}")
@@ -195,6 +214,14 @@ class MLADecodeSM90:
         self.pingpong = (self.rows == 16 and num_stages == 4) if pingpong is None else bool(pingpong)
         if self.pingpong and (self.rows != 16 or num_stages != 4):
             raise ValueError("the ping-pong schedule needs 16-row blocks and 4 stages (2 per warpgroup)")
+        # S^T warpgroup (32- and 48-row split schedule): see `kernel_sw`
+        self.s_wg = (default_s_warpgroup(self.rows) if s_warpgroup is None else bool(s_warpgroup)) \
+            and not self.pingpong
+        if self.s_wg:
+            if self.rows not in (32, 48):
+                raise ValueError("the S^T warpgroup needs 32- or 48-row blocks")
+            self.num_threads = NUM_THREADS + NUM_THREADS // 2
+            self.s_buffers = 1  # the space of one buffer of two partials holds the two buffers of full S^T
         # softmax threads per row: 16, 8 or 4 (both warpgroups on one chunk), 8 (one warpgroup per chunk); a
         # power of two for the shuffle reductions, so with 48 rows only the first 192 threads run the softmax
         threads = NUM_THREADS // 2 if self.pingpong else NUM_THREADS
@@ -283,7 +310,11 @@ class MLADecodeSM90:
             raise ValueError(f"{self.shared_storage_bytes} B of shared memory do not fit an SM90 CTA "
                              f"({SM90_SMEM_CAPACITY} B): lower num_stages or rows_per_block")
         scale_log2 = softmax_scale * LOG2E
-        self.kernel(
+        kernel = self.kernel_sw if cutlass.const_expr(self.s_wg) else self.kernel
+        # kernel_sw: maxntid (not the automatic reqntid) and one CTA per SM, or ptxas caps the whole kernel at
+        # 65536 / 384 = 168 registers instead of giving the setmaxnreg regions their budgets
+        bounds = dict(max_number_threads=[self.num_threads, 1, 1], min_blocks_per_mp=1) if self.s_wg else {}
+        kernel(
             mQ, mKV, mBT, mSeq, mQScale, mKScale,
             mCtaTileStart, mCtaFirstReq, mReqTileStart, mReqFirstCta, mNumSplits, mSplitOffset,
             mOut, mLse, mPOut, mPLse, scale_log2, atom_cp_async, SharedStorage,
@@ -291,6 +322,7 @@ class MLADecodeSM90:
             grid=(self.num_row_blocks, num_ctas, 1),
             block=(self.num_threads, 1, 1),
             stream=stream,
+            **bounds,
         )
 
     # ------------------------------------------------------------------------------------------------
@@ -649,6 +681,247 @@ class MLADecodeSM90:
             b = b + 1
 
     # ------------------------------------------------------------------------------------------------
+    @cute.kernel
+    def kernel_sw(
+        self,
+        mQ: cute.Tensor,
+        mKV: cute.Tensor,
+        mBT: cute.Tensor,
+        mSeq: cute.Tensor,
+        mQScale: cute.Tensor,
+        mKScale: cute.Tensor,
+        mCtaTileStart: cute.Tensor,
+        mCtaFirstReq: cute.Tensor,
+        mReqTileStart: cute.Tensor,
+        mReqFirstCta: cute.Tensor,
+        mNumSplits: cute.Tensor,
+        mSplitOffset: cute.Tensor,
+        mOut: cute.Tensor,
+        mLse: cute.Tensor,
+        mPOut: cute.Tensor,
+        mPLse: cute.Tensor,
+        scale_log2_base: Float32,
+        atom_cp_async: cute.CopyAtom,
+        SharedStorage: cutlass.Constexpr,
+    ):
+        """The split schedule with S^T and the KV loads in a third warpgroup (384 threads, 32 or 48 rows).
+
+        Warpgroup 2 loads Q and the KV chunks (a 3-stage ring) and runs all 18 k32 steps of S^T (two chains of 9
+        summed in fp32) for every chunk, storing the full S^T (no partials to add) into one of two buffers.
+        Warpgroups 0 and 1 run the softmax (all 256 threads; 192 with 48 rows) and P.V (256 dims each) as in
+        `kernel`. They meet through named barriers, per chunk j: S_FULL[j % 2] (S^T(j) stored, its chunk landed:
+        warpgroup 2 arrives, 0 and 1 wait) and S_FREE[j % 2] (S^T(j) read and the V^T registers of chunk j
+        loaded: 0 and 1 arrive; warpgroup 2 waits before it loads chunk j + 3 into that stage, which also orders
+        its S^T(j + 2) store after the reads of S^T(j)). So S^T(j + 1) and the loads run under the softmax of
+        chunk j, and the softmax warps no longer issue, wait for or store S^T."""
+        R = self.num_rows
+        H = self.num_heads
+        T = self.tile_tokens
+        C = self.chunk
+        ROWS = self.rows
+        NS = self.num_stages
+        TPR = self.tpr
+        PIECES = KV_DIM // 16
+        NA = ROWS // 2
+        NT = self.num_threads
+        WGT = NUM_THREADS // 2
+        PV_BAR = 1  # warpgroups 0 and 1 (256 threads); 0 is the CTA's
+        S_FULL = 2  # + buffer
+        S_FREE = 4  # + buffer
+        LOAD_BAR = 6  # warpgroup 2 alone: every copy of a chunk landed
+
+        tidx, _, _ = cute.arch.thread_idx()
+        rb, cta, _ = cute.arch.block_idx()
+        row0 = rb * ROWS
+        warp_idx = tidx // 32
+        lane = tidx % 32
+        lg = lane // 4
+        lt = lane % 4
+        wg = warp_idx // 4
+        wl = warp_idx % 4
+
+        q_scale = mQScale[0]
+        k_scale = mKScale[0]
+        scale_log2 = scale_log2_base * q_scale * k_scale
+
+        smem = cutlass.memory.SmemAllocator()
+        storage = smem.allocate(SharedStorage)
+        swz = cute.make_swizzle(3, 4, 3)
+        sRing = storage.ring.get_tensor(cute.make_composed_layout(swz, 0, cute.make_layout(
+            (16, (8, KV_BLOCKS), C, NS), stride=(1, (16, C * 128), 128, C * 128 * KV_BLOCKS))))
+        sQ8 = storage.q.get_tensor(cute.make_composed_layout(swz, 0, cute.make_layout(
+            (16, (8, KV_BLOCKS), ROWS), stride=(1, (16, ROWS * 128), 128))))
+        sInvL = storage.inv_l.get_tensor(cute.make_layout((ROWS,)))
+        ring_addr = storage.ring.data_ptr().toint()
+        q_addr = storage.q.data_ptr().toint()
+        # full S^T (row, token, one part, buffer = chunk % 2); P words (word, row, plane, buffer); alpha (row, buffer)
+        sS = storage.s.get_tensor(cute.make_layout((ROWS, C, 1, 2), stride=(S_STRIDE, 1, 0, ROWS * S_STRIDE)))
+        sPw = cute.make_tensor(cute.recast_ptr(storage.p.data_ptr(), dtype=Int32), cute.make_layout(
+            ((4, 4), (8, ROWS // 8), 2, 2),
+            stride=((1, P_LBO // 4), (4, P_SBO // 4), ROWS * 16, 2 * ROWS * 16)))
+        sAlpha = storage.alpha.get_tensor(cute.make_layout((ROWS, 2), stride=(1, ROWS)))
+        p_addr = storage.p.data_ptr().toint()
+
+        t_last = (cutlass.min(row0 + ROWS, R) - 1) // H
+        zero16 = cute.make_rmem_tensor(cute.make_layout((16,)), FP8)
+        zero16.fill(0.0)
+
+        g = mCtaTileStart[cta]
+        g_end = mCtaTileStart[cta + 1]
+        b = mCtaFirstReq[cta]
+        if wg == 2:
+            # ================================ S^T warpgroup: loads and S^T ================================
+            cute.arch.setmaxregister_decrease(SW_REGS_S)
+            tw = tidx - NUM_THREADS
+            acc_S = cute.make_rmem_tensor(cute.make_layout((NA,)), Float32)
+            acc_S2 = cute.make_rmem_tensor(cute.make_layout((NA,)), Float32)
+            while g < g_end:
+                while mReqTileStart[b + 1] <= g:
+                    b = b + 1
+                req_first_tile = mReqTileStart[b]
+                seg_end = cutlass.min(g_end, mReqTileStart[b + 1])
+                seq_len = mSeq[b]
+                tok_begin = (g - req_first_tile) * T
+                tok_end = cutlass.min((seg_end - req_first_tile) * T, seq_len)
+                if cutlass.const_expr(self.causal):
+                    tok_end = cutlass.min(tok_end, seq_len - self.q_len + t_last + 1)
+                n_chunks = cutlass.max(tok_end - tok_begin + (C - 1), 0) // C
+
+                # Q (thread tw: rows tw / 4 + 32 i, pieces tw % 4 + 4 k), padding rows zeroed, and chunks 0, 1
+                for i in cutlass.range_constexpr(ROWS // 32):
+                    qrow = tw // 4 + 32 * i
+                    if row0 + qrow < R:
+                        for k in cutlass.range_constexpr(PIECES // 4):
+                            cute.copy(atom_cp_async, mQ[None, tw % 4 + 4 * k, row0 + qrow, b],
+                                      sQ8[None, tw % 4 + 4 * k, qrow])
+                    else:
+                        for k in cutlass.range_constexpr(PIECES // 4):
+                            cute.autovec_copy(zero16, sQ8[None, tw % 4 + 4 * k, qrow])
+                if cutlass.const_expr(ROWS % 32 != 0):
+                    qrow = tw // 4 + 32 * (ROWS // 32)
+                    if qrow < ROWS:
+                        if row0 + qrow < R:
+                            for k in cutlass.range_constexpr(PIECES // 4):
+                                cute.copy(atom_cp_async, mQ[None, tw % 4 + 4 * k, row0 + qrow, b],
+                                          sQ8[None, tw % 4 + 4 * k, qrow])
+                        else:
+                            for k in cutlass.range_constexpr(PIECES // 4):
+                                cute.autovec_copy(zero16, sQ8[None, tw % 4 + 4 * k, qrow])
+                for st in cutlass.range_constexpr(NS - 1):
+                    if st < n_chunks:
+                        self._load_chunk_wg(mBT, mKV, atom_cp_async, sRing, zero16, b, tok_begin + st * C, tok_end,
+                                            st, tw)
+                    cute.arch.cp_async_commit_group()
+
+                for j in range(n_chunks):
+                    cute.arch.cp_async_wait_group(NS - 2)  # chunk j (and Q) landed: one group younger in flight
+                    fence_proxy_async_smem()
+                    cute.arch.barrier(barrier_id=LOAD_BAR, number_of_threads=WGT)  # every copy of chunk j done
+                    self._issue_s(acc_S, ring_addr, q_addr, j % NS, 0, KV_DIM // 64)
+                    self._issue_s(acc_S2, ring_addr, q_addr, j % NS, KV_DIM // 64, KV_DIM // 64)
+                    wgmma_wait(0)
+                    for i in cutlass.range_constexpr(NA):
+                        acc_S[i] = fence_operand(acc_S[i]) + fence_operand(acc_S2[i])
+                    # buffer j % 2 last held S^T(j - 2), released (S_FREE) before this warpgroup loaded chunk j + 1
+                    self._store_s(acc_S, sS[None, None, None, j % 2], 0, wl, lg, lt)
+                    cute.arch.barrier_arrive(barrier_id=S_FULL + j % 2, number_of_threads=NT)
+                    # stage (j + 2) % 3 held chunk j - 1: wait until its V^T registers and S^T are read
+                    if j >= 1:
+                        cute.arch.barrier(barrier_id=S_FREE + (j - 1) % 2, number_of_threads=NT)
+                    if j + NS - 1 < n_chunks:
+                        self._load_chunk_wg(mBT, mKV, atom_cp_async, sRing, zero16, b,
+                                            tok_begin + (j + NS - 1) * C, tok_end, (j + NS - 1) % NS, tw)
+                    cute.arch.cp_async_commit_group()
+                if n_chunks > 0:
+                    cute.arch.barrier(barrier_id=S_FREE + (n_chunks - 1) % 2, number_of_threads=NT)
+                cute.arch.cp_async_wait_group(0)
+                cute.arch.barrier()  # segment end: sQ and the ring are free, sInvL written
+                cute.arch.barrier()  # the outputs are written
+                g = seg_end
+                b = b + 1
+        else:
+            # ================================ softmax and P.V warpgroups ================================
+            cute.arch.setmaxregister_increase(SW_REGS_PV)
+            acc_O = cute.make_rmem_tensor(cute.make_layout((4 * NA,)), Float32)
+            srow = tidx // TPR
+            ssub = tidx % TPR
+            srow_g = row0 + srow
+            s_t = srow_g // H
+            while g < g_end:
+                while mReqTileStart[b + 1] <= g:
+                    b = b + 1
+                req_first_tile = mReqTileStart[b]
+                seg_end = cutlass.min(g_end, mReqTileStart[b + 1])
+                seq_len = mSeq[b]
+                tok_begin = (g - req_first_tile) * T
+                tok_end = cutlass.min((seg_end - req_first_tile) * T, seq_len)
+                if cutlass.const_expr(self.causal):
+                    tok_end = cutlass.min(tok_end, seq_len - self.q_len + t_last + 1)
+                n_chunks = cutlass.max(tok_end - tok_begin + (C - 1), 0) // C
+                row_end = tok_end
+                if cutlass.const_expr(self.causal):
+                    row_end = cutlass.min(tok_end, seq_len - self.q_len + s_t + 1)
+                split = mNumSplits[b] != 1
+                slot = mSplitOffset[b] + cta - mReqFirstCta[b]
+                acc_O.fill(0.0)
+                row_max = -Float32.inf
+                row_sum = Float32(0.0)
+                for ci in range(n_chunks):
+                    buf = ci % 2
+                    cute.arch.barrier(barrier_id=S_FULL + buf, number_of_threads=NT)
+                    if srow < ROWS:
+                        row_max, row_sum, alpha = self._softmax_chunk(
+                            sS[None, None, None, buf], sPw[None, None, None, buf], row_max, row_sum,
+                            tok_begin + ci * C, row_end, scale_log2, srow, ssub)
+                        if ssub == 0:
+                            sAlpha[srow, buf] = alpha
+                    wgmma_wait(0)  # P.V(ci - 1): its V^T registers may be reused
+                    for i in cutlass.range_constexpr(4 * NA):
+                        acc_O[i] = fence_operand(acc_O[i])
+                    a_regs = self._load_vt(ring_addr + (ci % NS) * (C * 128 * KV_BLOCKS), wg * 4, wl, lane)
+                    cute.arch.barrier_arrive(barrier_id=S_FREE + buf, number_of_threads=NT)
+                    cute.arch.barrier(barrier_id=PV_BAR, number_of_threads=NUM_THREADS)  # P(ci), alpha(ci)
+                    self._rescale_o(acc_O, sAlpha[None, buf], lt, False)
+                    self._issue_pv_regs(acc_O, a_regs, p_addr + buf * (2 * ROWS * 64), 0)
+                wgmma_wait(0)
+                for i in cutlass.range_constexpr(4 * NA):
+                    acc_O[i] = fence_operand(acc_O[i])
+                if ssub == 0 and srow < ROWS:
+                    self._finish_row(row_max, row_sum, k_scale, sInvL, mLse, mPLse, srow, srow_g, b, split, slot)
+                cute.arch.barrier()  # sInvL written; the S^T warpgroup is done with the segment
+                o2 = cute.make_rmem_tensor(cute.make_layout((2,)), Float32)
+                o2_bf16 = cute.make_rmem_tensor(cute.make_layout((2,)), BF16)
+                for j in cutlass.range_constexpr(ROWS // 8):
+                    for e in cutlass.range_constexpr(2):
+                        orow = 8 * j + 2 * lt + e
+                        if row0 + orow < R:
+                            inv = sInvL[orow]
+                            for t in cutlass.range_constexpr(4):
+                                o2[0] = acc_O[t * NA + 4 * j + e] * inv
+                                o2[1] = acc_O[t * NA + 4 * j + 2 + e] * inv
+                                pair = (wg * 4 + t) * 32 + wl * 8 + lg  # dims [2 pair, 2 pair + 2)
+                                if split:
+                                    cute.autovec_copy(o2, cute.local_tile(mPOut[None, row0 + orow, slot], (2,),
+                                                                          (pair,)))
+                                else:
+                                    o2_bf16.store(o2.load().to(BF16))
+                                    cute.autovec_copy(o2_bf16, cute.local_tile(mOut[None, row0 + orow, b], (2,),
+                                                                               (pair,)))
+                cute.arch.barrier()  # sInvL, sS, sP and sAlpha are reused by the next segment
+                g = seg_end
+                b = b + 1
+
+    @cute.jit
+    def _load_chunk_wg(self, mBT: cute.Tensor, mKV: cute.Tensor, atom_cp_async: cute.CopyAtom, sRing: cute.Tensor,
+                       zero16: cute.Tensor, b: Int32, tok0: Int32, tok_end: Int32, stage: Int32, tw: Int32):
+        """One warpgroup's copies of the chunk [tok0, tok0 + C) into `stage`: two halves of 32 tokens."""
+        C = self.chunk
+        self._load_chunk(mKV, atom_cp_async, sRing, zero16, self._lookup_page(mBT, b, tok0, tok_end, tw), tok0,
+                         stage, tw)
+        self._load_chunk(mKV, atom_cp_async, sRing, zero16, self._lookup_page(mBT, b, tok0 + C // 2, tok_end, tw),
+                         tok0, stage, tw, C // 2)
+
+    # ------------------------------------------------------------------------------------------------
     @cute.jit
     def _issue_s(self, acc_S: cute.Tensor, ring_addr: Int32, q_addr: Int32, stage: Int32, k0: Int32,
                  ksteps: cutlass.Constexpr):
@@ -878,21 +1151,23 @@ _COMPILED = {}
 
 
 def _static_key(num_heads, q_len, page_size, tile_tokens, causal, rows_per_block, num_stages, pingpong, p_planes,
-                arch):
+                arch, s_warpgroup=None):
     rows = rows_per_block or default_rows_per_block(num_heads, q_len)
     num_stages = default_num_stages(rows) if num_stages is None else num_stages
     if pingpong is None:
         pingpong = rows == 16 and num_stages == 4
     if p_planes is None:
         p_planes = default_p_planes(num_heads, q_len)
+    if s_warpgroup is None:
+        s_warpgroup = default_s_warpgroup(rows)
     return (int(num_heads), int(q_len), int(page_size), int(tile_tokens), bool(causal), int(rows),
-            int(num_stages), bool(pingpong), int(p_planes), arch)
+            int(num_stages), bool(pingpong), int(p_planes), arch, bool(s_warpgroup) and not pingpong)
 
 
 def compile_decode_sm90(num_heads: int, q_len: int, page_size: int, tile_tokens: int = 64, causal: bool = True,
                         rows_per_block: Optional[int] = None, num_stages: Optional[int] = None,
                         pingpong: Optional[bool] = None, p_planes: Optional[int] = None,
-                        arch: str = "sm_90a"):
+                        arch: str = "sm_90a", s_warpgroup: Optional[bool] = None):
     """Compile (once per static key) and return the kernel's launcher function.
 
     Works without a GPU: all runtime values (pointers, batch, num_pages, strides, num_ctas, num_slots,
@@ -900,12 +1175,12 @@ def compile_decode_sm90(num_heads: int, q_len: int, page_size: int, tile_tokens:
     size / cache size / plan size. `arch` is passed to the compiler (`--gpu-arch`).
     """
     key = _static_key(num_heads, q_len, page_size, tile_tokens, causal, rows_per_block, num_stages, pingpong, p_planes,
-                      arch)
+                      arch, s_warpgroup)
     fn = _COMPILED.get(key)
     if fn is not None:
         return fn
     op = MLADecodeSM90(num_heads, q_len, page_size, tile_tokens, causal, rows_per_block=key[5],
-                       num_stages=key[6], pingpong=key[7], p_planes=key[8])
+                       num_stages=key[6], pingpong=key[7], p_planes=key[8], s_warpgroup=key[10])
     ptr = gmem_ptr
     args = (
         ptr(FP8, 16), ptr(FP8, 16), ptr(Int32, 4), ptr(Int32, 4), ptr(Float32, 4), ptr(Float32, 4),

@@ -56,7 +56,8 @@ def test_48_and_64_row_blocks_compile_with_three_stages():
     assert MLADecodeSM90(128, 1, 64, rows_per_block=48).num_row_blocks == 3  # 128 rows: the last block 32
     op = MLADecodeSM90(128, 1, 64, rows_per_block=64)
     assert (op.num_stages, op.s_buffers, op.tpr, op.softmax_threads, op.num_row_blocks) == (3, 1, 4, 256, 2)
-    assert MLADecodeSM90(12, 8, 32, rows_per_block=32).s_buffers == 2  # 32 rows keep the double-buffered partials
+    # 32 rows keep the double-buffered partials (without the S^T warpgroup)
+    assert MLADecodeSM90(12, 8, 32, rows_per_block=32, s_warpgroup=False).s_buffers == 2
     for h, q, rows in ((12, 8, 48), (128, 1, 48), (128, 1, 64), (12, 8, 64)):
         fn = compile_decode_sm90(h, q, 32, rows_per_block=rows, arch="sm_90a")
         assert fn.decode_op.rows == rows and fn.decode_op.shared_storage_bytes <= SM90_SMEM_CAPACITY
@@ -216,3 +217,24 @@ def test_matches_reference_gpu(num_heads, q_len, page_size, tile_tokens, causal,
     for b in busy:
         torch.testing.assert_close(got_lse[b], ref_lse[b], atol=2e-3, rtol=1e-3)
         torch.testing.assert_close(got_out[b], ref_out[b].float(), atol=2e-2, rtol=2e-2)
+
+
+def test_s_warpgroup_schedule_for_32_and_48_rows(monkeypatch):
+    """32- and 48-row blocks run kernel_sw (384 threads, setmaxnreg 208 / 88) unless CUTE_MLA_S_WARPGROUP=0;
+    16- and 64-row blocks keep their schedules. It compiles without spills (the spill checks above cover the
+    default configurations, which include it)."""
+    from mla_backend.hopper.decode_sm90 import SW_REGS_PV, SW_REGS_S, MLADecodeSM90, _static_key
+
+    assert 2 * SW_REGS_PV + SW_REGS_S == 3 * 168  # what a 384-thread launch gives each thread triple
+    for h, q, sw in ((12, 8, True), (16, 2, True), (12, 4, True), (12, 1, False), (128, 1, False), (16, 4, False)):
+        op = MLADecodeSM90(h, q, 32)
+        assert op.s_wg == sw and op.num_threads == (384 if sw else 256), (h, q)
+        if sw:
+            assert op.s_buffers == 1
+    monkeypatch.setenv("CUTE_MLA_S_WARPGROUP", "0")
+    assert not MLADecodeSM90(12, 8, 32).s_wg
+    assert _static_key(12, 8, 32, 64, True, None, None, None, None, "sm_90a")[-1] is False
+    monkeypatch.delenv("CUTE_MLA_S_WARPGROUP")
+    assert _static_key(12, 8, 32, 64, True, None, None, None, None, "sm_90a")[-1] is True
+    with pytest.raises(ValueError, match="32- or 48-row"):
+        MLADecodeSM90(128, 1, 32, s_warpgroup=True)

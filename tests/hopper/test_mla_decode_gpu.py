@@ -197,7 +197,10 @@ def test_planner_runs_inside_capture_without_host_sync():
 def test_kernels_under_compute_sanitizer_memcheck():
     script = os.path.join(os.path.dirname(__file__), "sanitize_decode.py")
     env = dict(os.environ, PYTORCH_NO_CUDA_MEMORY_CACHING="1")  # exact allocation bounds for memcheck
-    result = subprocess.run(["compute-sanitizer", "--tool", "memcheck", "--error-exitcode", "3", sys.executable, script],
+    # --report-api-errors no: host API errors are not what this checks (on the H200 image of 2026-12-01 every
+    # run reports 34 failed cuGetProcAddress_v2 lookups, before and after our kernels; no memory error)
+    result = subprocess.run(["compute-sanitizer", "--tool", "memcheck", "--report-api-errors", "no", "--error-exitcode",
+                             "3", sys.executable, script],
                             capture_output=True, text=True, timeout=900, env=env)
     tail = (result.stdout + result.stderr)[-4000:]
     assert result.returncode == 0, tail
@@ -245,6 +248,7 @@ def test_unchecked_bad_metadata_reads_zeros_eager_and_in_graph(page):
 def test_own_plan_is_reused_across_eager_calls_and_refilled():
     """Without a plan the op plans into a cached one per batch bucket: the same buffers, refilled each call."""
     from mla_backend import ops
+    from mla_backend.planner import default_num_ctas
 
     results = []
     for seed, lengths in enumerate([[5000, 3, 0, 70000, 64], [1, 9000, 33]]):  # both in the bucket of 8
@@ -253,7 +257,7 @@ def test_own_plan_is_reused_across_eager_calls_and_refilled():
         kwargs = dict(softmax_scale=576 ** -0.5, q_scale=qs, k_scale=ks)
         out, lse = mla_decode(q, kv, bt, sl, **kwargs)
         check_against_reference(out, lse, *mla_decode_reference(q, kv, bt, sl, **kwargs))
-        results.append(ops._default_plans[(sl.device, 8)])
+        results.append(ops._default_plans[(sl.device, 8, default_num_ctas(sl.device, 12, 1))])
     assert results[0] is results[1]
 
 
