@@ -15,10 +15,10 @@ def test_combine_compiles_for_sm90a(rows, dim_splits):
 
 
 def test_rows_share_ctas_only_while_they_fit_one_wave():
-    assert combine_dim_splits(batch=1, rows=12, num_ctas=132) == DIM_SPLITS
-    assert combine_dim_splits(batch=11, rows=12, num_ctas=132) == DIM_SPLITS
-    assert combine_dim_splits(batch=12, rows=12, num_ctas=132) == 1
-    assert combine_dim_splits(batch=128, rows=12, num_ctas=132) == 1
+    assert combine_dim_splits(batch=1, rows=12, num_sms=132) == DIM_SPLITS
+    assert combine_dim_splits(batch=11, rows=12, num_sms=132) == DIM_SPLITS
+    assert combine_dim_splits(batch=12, rows=12, num_sms=132) == 1
+    assert combine_dim_splits(batch=128, rows=12, num_sms=132) == 1
 
 
 def test_launcher_rejects_strided_buffers_before_launching():
