@@ -647,34 +647,7 @@ class MLADecodeSM90:
                     self._finish_row(row_max, row_sum, k_scale, sInvL, mLse, mPLse, srow, srow_g, b, split, slot)
                 cute.arch.barrier()
 
-            # ---- this thread's output rows: lane (g, t) of warp wl holds, per tile and row 8j + 2 lt + e, the dims
-            # (d0 + 2 lg, d0 + 2 lg + 1): one 8-byte (fp32) or 4-byte (bf16) store each. Ping-pong: warpgroup wg
-            # writes dims [256 wg, 256 wg + 256), like the split schedule. ----
-            o2 = cute.make_rmem_tensor(cute.make_layout((2,)), Float32)
-            o2_bf16 = cute.make_rmem_tensor(cute.make_layout((2,)), BF16)
-            for j in cutlass.range_constexpr(ROWS // 8):
-                for e in cutlass.range_constexpr(2):
-                    orow = 8 * j + 2 * lt + e
-                    if row0 + orow < R:
-                        inv = sInvL[orow]
-                        for t in cutlass.range_constexpr(num_o_tiles):
-                            if cutlass.const_expr(self.pingpong):
-                                own = t // 4 == wg
-                                tile = t
-                            else:
-                                own = True
-                                tile = wg * 4 + t
-                            if own:
-                                o2[0] = acc_O[t * NA + 4 * j + e] * inv
-                                o2[1] = acc_O[t * NA + 4 * j + 2 + e] * inv
-                                pair = tile * 32 + wl * 8 + lg  # dims [2 pair, 2 pair + 2)
-                                if split:
-                                    cute.autovec_copy(o2, cute.local_tile(mPOut[None, row0 + orow, slot], (2,),
-                                                                          (pair,)))
-                                else:
-                                    o2_bf16.store(o2.load().to(BF16))
-                                    cute.autovec_copy(o2_bf16, cute.local_tile(mOut[None, row0 + orow, b], (2,),
-                                                                               (pair,)))
+            self._write_rows(acc_O, sInvL, mOut, mPOut, row0, b, split, slot, wg, wl, lg, lt, num_o_tiles)
             cute.arch.barrier()  # sInvL, sQ (and, ping-pong, sML and the ring) are reused by the next segment
 
             g = seg_end
@@ -889,27 +862,48 @@ class MLADecodeSM90:
                 if ssub == 0 and srow < ROWS:
                     self._finish_row(row_max, row_sum, k_scale, sInvL, mLse, mPLse, srow, srow_g, b, split, slot)
                 cute.arch.barrier()  # sInvL written; the S^T warpgroup is done with the segment
-                o2 = cute.make_rmem_tensor(cute.make_layout((2,)), Float32)
-                o2_bf16 = cute.make_rmem_tensor(cute.make_layout((2,)), BF16)
-                for j in cutlass.range_constexpr(ROWS // 8):
-                    for e in cutlass.range_constexpr(2):
-                        orow = 8 * j + 2 * lt + e
-                        if row0 + orow < R:
-                            inv = sInvL[orow]
-                            for t in cutlass.range_constexpr(4):
-                                o2[0] = acc_O[t * NA + 4 * j + e] * inv
-                                o2[1] = acc_O[t * NA + 4 * j + 2 + e] * inv
-                                pair = (wg * 4 + t) * 32 + wl * 8 + lg  # dims [2 pair, 2 pair + 2)
-                                if split:
-                                    cute.autovec_copy(o2, cute.local_tile(mPOut[None, row0 + orow, slot], (2,),
-                                                                          (pair,)))
-                                else:
-                                    o2_bf16.store(o2.load().to(BF16))
-                                    cute.autovec_copy(o2_bf16, cute.local_tile(mOut[None, row0 + orow, b], (2,),
-                                                                               (pair,)))
+                self._write_rows(acc_O, sInvL, mOut, mPOut, row0, b, split, slot, wg, wl, lg, lt, 4)
                 cute.arch.barrier()  # sInvL, sS, sP and sAlpha are reused by the next segment
                 g = seg_end
                 b = b + 1
+
+    @cute.jit
+    def _write_rows(self, acc_O: cute.Tensor, sInvL: cute.Tensor, mOut: cute.Tensor, mPOut: cute.Tensor, row0: Int32,
+                    b: Int32, split, slot: Int32, wg: Int32, wl: Int32, lg: Int32, lt: Int32,
+                    num_o_tiles: cutlass.Constexpr):
+        """This thread's output rows, scaled by sInvL: the final bf16 output of request b, or the fp32 partial of
+        workspace slot `slot` when the request is split."""
+        R = self.num_rows
+        ROWS = self.rows
+        NA = ROWS // 2
+        # lane (g, t) of warp wl holds, per tile and row 8j + 2 lt + e, the dims
+        # (d0 + 2 lg, d0 + 2 lg + 1): one 8-byte (fp32) or 4-byte (bf16) store each. Ping-pong: warpgroup wg
+        # writes dims [256 wg, 256 wg + 256), like the split schedule.
+        o2 = cute.make_rmem_tensor(cute.make_layout((2,)), Float32)
+        o2_bf16 = cute.make_rmem_tensor(cute.make_layout((2,)), BF16)
+        for j in cutlass.range_constexpr(ROWS // 8):
+            for e in cutlass.range_constexpr(2):
+                orow = 8 * j + 2 * lt + e
+                if row0 + orow < R:
+                    inv = sInvL[orow]
+                    for t in cutlass.range_constexpr(num_o_tiles):
+                        if cutlass.const_expr(self.pingpong):
+                            own = t // 4 == wg
+                            tile = t
+                        else:
+                            own = True
+                            tile = wg * 4 + t
+                        if own:
+                            o2[0] = acc_O[t * NA + 4 * j + e] * inv
+                            o2[1] = acc_O[t * NA + 4 * j + 2 + e] * inv
+                            pair = tile * 32 + wl * 8 + lg  # dims [2 pair, 2 pair + 2)
+                            if split:
+                                cute.autovec_copy(o2, cute.local_tile(mPOut[None, row0 + orow, slot], (2,),
+                                                                      (pair,)))
+                            else:
+                                o2_bf16.store(o2.load().to(BF16))
+                                cute.autovec_copy(o2_bf16, cute.local_tile(mOut[None, row0 + orow, b], (2,),
+                                                                           (pair,)))
 
     @cute.jit
     def _load_chunk_wg(self, mBT: cute.Tensor, mKV: cute.Tensor, atom_cp_async: cute.CopyAtom, sRing: cute.Tensor,
