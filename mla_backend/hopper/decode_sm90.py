@@ -447,17 +447,7 @@ class MLADecodeSM90:
         g_end = mCtaTileStart[cta + 1]
         b = mCtaFirstReq[cta]
         while g < g_end:
-            while mReqTileStart[b + 1] <= g:  # requests without tiles own an empty range
-                b = b + 1
-            req_first_tile = mReqTileStart[b]
-            seg_end = cutlass.min(g_end, mReqTileStart[b + 1])
-            seq_len = mSeq[b]
-            tok_begin = (g - req_first_tile) * T
-            tok_end = cutlass.min((seg_end - req_first_tile) * T, seq_len)
-            if cutlass.const_expr(self.causal):
-                # no row of this block sees past L - q_len + t_last
-                tok_end = cutlass.min(tok_end, seq_len - self.q_len + t_last + 1)
-            n_chunks = cutlass.max(tok_end - tok_begin + (C - 1), 0) // C
+            b, seg_end, seq_len, tok_begin, tok_end, n_chunks = self._segment(mReqTileStart, mSeq, b, g, g_end, t_last)
             row_end = tok_end
             if cutlass.const_expr(self.causal):
                 row_end = cutlass.min(tok_end, seq_len - self.q_len + s_t + 1)
@@ -749,16 +739,8 @@ class MLADecodeSM90:
             acc_S = cute.make_rmem_tensor(cute.make_layout((NA,)), Float32)
             acc_S2 = cute.make_rmem_tensor(cute.make_layout((NA,)), Float32)
             while g < g_end:
-                while mReqTileStart[b + 1] <= g:
-                    b = b + 1
-                req_first_tile = mReqTileStart[b]
-                seg_end = cutlass.min(g_end, mReqTileStart[b + 1])
-                seq_len = mSeq[b]
-                tok_begin = (g - req_first_tile) * T
-                tok_end = cutlass.min((seg_end - req_first_tile) * T, seq_len)
-                if cutlass.const_expr(self.causal):
-                    tok_end = cutlass.min(tok_end, seq_len - self.q_len + t_last + 1)
-                n_chunks = cutlass.max(tok_end - tok_begin + (C - 1), 0) // C
+                b, seg_end, seq_len, tok_begin, tok_end, n_chunks = self._segment(mReqTileStart, mSeq, b, g, g_end,
+                                                                                  t_last)
 
                 # Q (thread tw: rows tw / 4 + 32 i, pieces tw % 4 + 4 k), padding rows zeroed, and chunks 0, 1
                 for i in cutlass.range_constexpr(ROWS // 32):
@@ -821,16 +803,8 @@ class MLADecodeSM90:
             srow_g = row0 + srow
             s_t = srow_g // H
             while g < g_end:
-                while mReqTileStart[b + 1] <= g:
-                    b = b + 1
-                req_first_tile = mReqTileStart[b]
-                seg_end = cutlass.min(g_end, mReqTileStart[b + 1])
-                seq_len = mSeq[b]
-                tok_begin = (g - req_first_tile) * T
-                tok_end = cutlass.min((seg_end - req_first_tile) * T, seq_len)
-                if cutlass.const_expr(self.causal):
-                    tok_end = cutlass.min(tok_end, seq_len - self.q_len + t_last + 1)
-                n_chunks = cutlass.max(tok_end - tok_begin + (C - 1), 0) // C
+                b, seg_end, seq_len, tok_begin, tok_end, n_chunks = self._segment(mReqTileStart, mSeq, b, g, g_end,
+                                                                                  t_last)
                 row_end = tok_end
                 if cutlass.const_expr(self.causal):
                     row_end = cutlass.min(tok_end, seq_len - self.q_len + s_t + 1)
@@ -866,6 +840,26 @@ class MLADecodeSM90:
                 cute.arch.barrier()  # sInvL, sS, sP and sAlpha are reused by the next segment
                 g = seg_end
                 b = b + 1
+
+    @cute.jit
+    def _segment(self, mReqTileStart: cute.Tensor, mSeq: cute.Tensor, b: Int32, g: Int32, g_end: Int32,
+                 t_last: Int32):
+        """The CTA's next segment from global tile g: its request b (the first at or after b with tiles there;
+        requests without tiles own an empty range), the segment's end tile, the request's length, its tokens
+        [tok_begin, tok_end) (causal: no row of this block sees past L - q_len + t_last) and their chunks."""
+        T = self.tile_tokens
+        C = self.chunk
+        while mReqTileStart[b + 1] <= g:
+            b = b + 1
+        req_first_tile = mReqTileStart[b]
+        seg_end = cutlass.min(g_end, mReqTileStart[b + 1])
+        seq_len = mSeq[b]
+        tok_begin = (g - req_first_tile) * T
+        tok_end = cutlass.min((seg_end - req_first_tile) * T, seq_len)
+        if cutlass.const_expr(self.causal):
+            tok_end = cutlass.min(tok_end, seq_len - self.q_len + t_last + 1)
+        n_chunks = cutlass.max(tok_end - tok_begin + (C - 1), 0) // C
+        return b, seg_end, seq_len, tok_begin, tok_end, n_chunks
 
     @cute.jit
     def _write_rows(self, acc_O: cute.Tensor, sInvL: cute.Tensor, mOut: cute.Tensor, mPOut: cute.Tensor, row0: Int32,
