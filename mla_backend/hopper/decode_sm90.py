@@ -88,7 +88,10 @@ two buffers; warpgroups 0 and 1 run only the softmax and P.V. The softmax warps 
 S^T, and S^T(ci + 1) runs under the softmax of chunk ci. H200, decode alone, one process, against the
 two-warpgroup split schedule: H12 q8 1M x B1 512.9 -> 426.1 us (one P plane 467.8 -> 378.2), q8 128K x B4 263.1
 -> 221.7, H16 q2 1M x B2 447.1 -> 395.5, H12 q4 1M x B1 280.6 -> 238.2. (The softmax in a third warpgroup instead
-was no faster: one warpgroup's softmax chain became the bottleneck.) 64-row blocks keep `kernel`: the S^T
+was no faster: one warpgroup's softmax chain became the bottleneck.) Warpgroup 2 reads the block-table entries of
+a chunk two iterations before its copies: read right before them, their L2 round trip sat on its chain once per
+chunk and the softmax warps waited for S_FULL (ncu: 10.5% of stall samples); ahead, decode alone: q8 1M x B1
+443.7 -> 417.8 us, q8 128K x B4 228.8 -> 213.9, H16 q2 1M x B2 408.0 -> 392.2, H12 q4 1M x B1 245.7 -> 230.2. 64-row blocks keep `kernel`: the S^T
 warpgroup's 64 accumulators and the P.V warpgroups' 128 O^T registers do not fit 3 x 168 registers.
 
 Shared memory per CTA (4 stages): 160 KB ring + 5 x ROWS x 128 B Q + 2 x 2 x ROWS x 72 x 4 B S partials +
@@ -767,6 +770,13 @@ class MLADecodeSM90:
                         self._load_chunk_wg(mBT, mKV, atom_cp_async, sRing, zero16, b, tok_begin + st * C, tok_end,
                                             st, tw)
                     cute.arch.cp_async_commit_group()
+                # The block-table entries (one per half chunk) of the next chunk to load and of the one after: read
+                # two iterations before their copies, or this warpgroup's chain (and so S^T of the next chunk)
+                # waits one L2 round trip per chunk (ncu, q_len 8: the softmax warps then waited for S_FULL).
+                next_a = self._lookup_page(mBT, b, tok_begin + (NS - 1) * C, tok_end, tw)
+                next_b = self._lookup_page(mBT, b, tok_begin + (NS - 1) * C + C // 2, tok_end, tw)
+                after_a = self._lookup_page(mBT, b, tok_begin + NS * C, tok_end, tw)
+                after_b = self._lookup_page(mBT, b, tok_begin + NS * C + C // 2, tok_end, tw)
 
                 for j in range(n_chunks):
                     cute.arch.cp_async_wait_group(NS - 2)  # chunk j (and Q) landed: one group younger in flight
@@ -784,9 +794,15 @@ class MLADecodeSM90:
                     if j >= 1:
                         cute.arch.barrier(barrier_id=S_FREE + (j - 1) % 2, number_of_threads=NT)
                     if j + NS - 1 < n_chunks:
-                        self._load_chunk_wg(mBT, mKV, atom_cp_async, sRing, zero16, b,
-                                            tok_begin + (j + NS - 1) * C, tok_end, (j + NS - 1) % NS, tw)
+                        tok_load = tok_begin + (j + NS - 1) * C
+                        self._load_chunk(mKV, atom_cp_async, sRing, zero16, next_a, tok_load, (j + NS - 1) % NS, tw)
+                        self._load_chunk(mKV, atom_cp_async, sRing, zero16, next_b, tok_load, (j + NS - 1) % NS, tw,
+                                         C // 2)
                     cute.arch.cp_async_commit_group()
+                    next_a = after_a
+                    next_b = after_b
+                    after_a = self._lookup_page(mBT, b, tok_begin + (j + NS + 1) * C, tok_end, tw)
+                    after_b = self._lookup_page(mBT, b, tok_begin + (j + NS + 1) * C + C // 2, tok_end, tw)
                 if n_chunks > 0:
                     cute.arch.barrier(barrier_id=S_FREE + (n_chunks - 1) % 2, number_of_threads=NT)
                 cute.arch.cp_async_wait_group(0)
