@@ -1,7 +1,8 @@
 """Decode-step time against the floor measured in the same run (`python -m mla_backend bench`).
 
 For each case: one decode step (the device planner, the split-KV decode and the combine) is captured in a CUDA
-graph and replayed; L2 is flushed before every timed replay so the KV comes from DRAM. The floor is
+graph and replayed; the L2 is emptied before every timed replay (by reading a 256 MB buffer, `flush_l2`) so the
+KV comes from DRAM. The floor is
 max(bytes / measured DRAM read bandwidth, FLOPs / measured FP8 tensor throughput), both ceilings measured at
 the start of the run. Output: a table, a CSV and a plot of time / floor per case.
 """
@@ -136,14 +137,33 @@ def step_kernel_durations(kernels):
     return {kind: statistics.median(values) for kind, values in found.items()}
 
 
-def trace_kernel_durations(graph, flush, reps: int):
+L2_FLUSH_BYTES = 256 << 20  # 5x the H200's 50 MB L2
+
+
+def flush_l2(buf: torch.Tensor, mode: str = "read") -> None:
+    """Evict the L2 before a timed replay, so that the step reads its KV from DRAM.
+
+    "read" (the default) sums `buf`, leaving the L2 full of clean lines. "write" (`buf.zero_()`, the usual
+    benchmark flush and this bench's before 2026-12-01) leaves it full of dirty lines, whose write-back (up to
+    the L2's 50 MB) then competes with the step's own DRAM reads: 16% of the 302 MB of KV at 128K x B4. A decode
+    step in an engine follows kernels that mostly read (weights), so "read" is the representative start;
+    docs/performance.md has both for the same kernels."""
+    if mode == "read":
+        buf.view(torch.int64).sum()
+    elif mode == "write":
+        buf.zero_()
+    else:
+        raise ValueError(f"flush mode must be 'read' or 'write', got {mode!r}")
+
+
+def trace_kernel_durations(graph, flush, reps: int, flush_mode: str = "read"):
     """Replay `graph` reps times under torch.profiler (CUPTI traces kernels inside graph replays) and return
     step_kernel_durations of the trace."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(reps):
-            flush.zero_()
+            flush_l2(flush, flush_mode)
             graph.replay()
         torch.cuda.synchronize()
     events = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
@@ -151,7 +171,8 @@ def trace_kernel_durations(graph, flush, reps: int):
     return step_kernel_durations([(e.name, e.time_range.start, e.time_range.end) for e in events])
 
 
-def run_case(case: Case, bandwidth: float, fp8_flops: float, reps: int, check: bool, kernel_times: bool = False):
+def run_case(case: Case, bandwidth: float, fp8_flops: float, reps: int, check: bool, kernel_times: bool = False,
+             flush_mode: str = "read"):
     from mla_backend import DecodeWorkspace, SplitPlan, mla_decode, mla_decode_reference, plan_splits
     from mla_backend.planner import default_num_ctas
 
@@ -196,10 +217,10 @@ def run_case(case: Case, bandwidth: float, fp8_flops: float, reps: int, check: b
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step()
-    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    flush = torch.zeros(L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
     times = []
     for _ in range(reps):
-        flush.zero_()
+        flush_l2(flush, flush_mode)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         graph.replay()
@@ -207,7 +228,7 @@ def run_case(case: Case, bandwidth: float, fp8_flops: float, reps: int, check: b
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e-3)
     if kernel_times:
-        for kind, us in trace_kernel_durations(graph, flush, reps).items():
+        for kind, us in trace_kernel_durations(graph, flush, reps, flush_mode).items():
             case.results[f"{kind}_kernel_us"] = us
     # The planner and the combine alone (graph replays, L2 warm: their inputs are small).
     from mla_backend.hopper.combine_sm90 import run_combine_sm90
@@ -252,6 +273,9 @@ def main(argv=None) -> int:
                         help="also trace the replays (torch.profiler) for each kernel's own duration in the step")
     parser.add_argument("--p-planes", type=int, choices=(1, 2), default=None,
                         help="e4m3 planes of P in the P.V MMA (sets CUTE_MLA_P_PLANES; default: 2, hi/lo)")
+    parser.add_argument("--l2-flush", choices=("read", "write"), default="read",
+                        help="how the L2 is emptied before each timed replay: read a 256 MB buffer (default) or "
+                             "write it, which leaves up to 50 MB of dirty lines to write back during the step")
     parser.add_argument("--out-dir", default=os.environ.get("OUT", "bench-results"))
     args = parser.parse_args(argv)
     if args.p_planes is not None:
@@ -265,7 +289,8 @@ def main(argv=None) -> int:
     from mla_backend.hopper.decode_sm90 import default_p_planes
 
     print(f"{torch.cuda.get_device_name(0)}: read bandwidth {bandwidth / 1e12:.2f} TB/s, "
-          f"FP8 GEMM {fp8 / 1e12:.0f} TFLOP/s, P in {default_p_planes(12, 8)} e4m3 plane(s) above 16 query rows")
+          f"FP8 GEMM {fp8 / 1e12:.0f} TFLOP/s, P in {default_p_planes(12, 8)} e4m3 plane(s) above 16 query rows, "
+          f"L2 flush by {args.l2_flush}")
     cases = default_cases() + (extended_cases() if args.extended else [])
     cases = [c for c in cases if any(part in c.name for part in args.only.split("|"))]
     if args.segment_overhead:  # one row per (case, overhead), named by the overhead
@@ -273,7 +298,7 @@ def main(argv=None) -> int:
                  for c in cases for o in args.segment_overhead]
     for case in cases:
         t0 = time.perf_counter()
-        run_case(case, bandwidth, fp8, args.reps, args.check, args.kernel_times)
+        run_case(case, bandwidth, fp8, args.reps, args.check, args.kernel_times, args.l2_flush)
         r = case.results
         kernels = "".join(f"  {kind} kernel {r[kind + '_kernel_us']:.1f} us" for kind in KERNEL_NAMES
                           if kind + "_kernel_us" in r)
