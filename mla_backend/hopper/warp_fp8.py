@@ -19,7 +19,7 @@ and waits that guard them; accumulators are pinned after `wgmma_wait` with `fenc
 
 from __future__ import annotations
 
-from cutlass import Float32, Int32
+from cutlass import Float32, Int32, Int64
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
@@ -115,6 +115,14 @@ def quantize_p_hi_lo(p0, p1, p2, p3, *, loc=None, ip=None):
 # is the atom size. Moving along K inside a row is done by adding bytes / 16 to the start address.
 DESC_LO_SWIZZLE128 = 1 << 16
 DESC_HI_SWIZZLE128 = (1024 >> 4) | (1 << 30)
+
+
+@dsl_user_op
+def cp_async_16_l2_128(smem_addr, gmem_addr, *, loc=None, ip=None):
+    """cp.async of 16 bytes (global -> shared, L1 bypassed) with the L2::128B prefetch hint: an L2 miss fetches
+    the whole 128-byte line from DRAM at once. CuTe's cp.async atom has no such option."""
+    _asm(None, [Int32(smem_addr).ir_value(loc=loc, ip=ip), Int64(gmem_addr).ir_value(loc=loc, ip=ip)],
+         "cp.async.cg.shared.global.L2::128B [$0], [$1], 16;", "r,l", True, loc, ip)
 
 
 @dsl_user_op
