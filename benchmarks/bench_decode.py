@@ -145,9 +145,9 @@ def flush_l2(buf: torch.Tensor, mode: str = "read") -> None:
 
     "read" (the default) sums `buf`, leaving the L2 full of clean lines. "write" (`buf.zero_()`, the usual
     benchmark flush and this bench's before 2026-12-01) leaves it full of dirty lines, whose write-back (up to
-    the L2's 50 MB) then competes with the step's own DRAM reads: 16% of the 302 MB of KV at 128K x B4. A decode
-    step in an engine follows kernels that mostly read (weights), so "read" is the representative start;
-    docs/performance.md has both for the same kernels."""
+    the L2's 50 MB, a sixth of a 128K x B4 step's KV) then competes with the step's own DRAM reads: q_len 1
+    steps measured 2-8 us slower that way. A decode step in an engine follows kernels that mostly read
+    (weights), so "read" is the representative start; docs/performance.md has both for the same kernels."""
     if mode == "read":
         buf.view(torch.int64).sum()
     elif mode == "write":

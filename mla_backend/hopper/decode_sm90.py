@@ -91,8 +91,9 @@ two-warpgroup split schedule: H12 q8 1M x B1 512.9 -> 426.1 us (one P plane 467.
 was no faster: one warpgroup's softmax chain became the bottleneck.) Warpgroup 2 reads the block-table entries of
 a chunk two iterations before its copies: read right before them, their L2 round trip sat on its chain once per
 chunk and the softmax warps waited for S_FULL (ncu: 10.5% of stall samples); ahead, decode alone: q8 1M x B1
-443.7 -> 417.8 us, q8 128K x B4 228.8 -> 213.9, H16 q2 1M x B2 408.0 -> 392.2, H12 q4 1M x B1 245.7 -> 230.2. 64-row blocks keep `kernel`: the S^T
-warpgroup's 64 accumulators and the P.V warpgroups' 128 O^T registers do not fit 3 x 168 registers.
+443.7 -> 417.8 us, q8 128K x B4 228.8 -> 213.9, H16 q2 1M x B2 408.0 -> 392.2, H12 q4 1M x B1 245.7 -> 230.2.
+64-row blocks keep `kernel`: the S^T warpgroup's 64 accumulators and the P.V warpgroups' 128 O^T registers do
+not fit 3 x 168 registers.
 
 Shared memory per CTA (4 stages): 160 KB ring + 5 x ROWS x 128 B Q + 2 x 2 x ROWS x 72 x 4 B S partials +
 2 x ROWS x 64 B P (~190 KB for ROWS 16, ~220 KB for ROWS 32); 3 stages and one S^T buffer: ~191 KB for ROWS 48,

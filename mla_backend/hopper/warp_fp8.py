@@ -12,6 +12,7 @@ kernel addresses its FP8 tiles itself and uses these primitives:
 - `wgmma_ss_e4m3` / `wgmma_rs_e4m3`: warpgroup MMA m64nNk32 e4m3 -> f32 with both operands in shared memory
   (128B-swizzled K-major) or A in registers (B in the no-swizzle K-major core-matrix layout), plus the fences,
   commit and wait around them.
+- `cp_async_16_l2_128`: a 16-byte cp.async with the L2::128B prefetch hint, which CuTe's copy atom cannot express.
 
 Shared-memory reads and the wgmma issue are marked side-effecting so LLVM keeps them in order with the barriers
 and waits that guard them; accumulators are pinned after `wgmma_wait` with `fence_operand`.
