@@ -8,8 +8,10 @@
 
 Each --variant is a copy of mla_backend/hopper/decode_sm90.py; it is loaded as a module of mla_backend.hopper
 (so its relative imports resolve) and timed next to the installed kernel ("current"), in rounds that alternate
-between the versions, so that clock and thermal drift hit all of them alike. A one-off change is measured by
-editing a copy and passing it as a variant: no rebuild, one process, one comparison.
+between the versions, so that clock and thermal drift hit all of them alike, and each variant's outputs (final
+rows and partials, one call on the same inputs and plan) are compared with the current kernel's: "identical"
+or the largest difference. A one-off change is measured by editing a copy and passing it as a variant: no
+rebuild, one process, one comparison.
 
 Timing: one launch per sample, CUDA events around it, after a ~200 us spin kernel, so that the GPU is still
 busy while the host enqueues the start event, the launch and the end event (without it the host's launch path,
@@ -106,7 +108,30 @@ def decode_fn(module, inp, rows_per_block=None):
         module.run_decode_sm90(inp["q"], inp["kv"], inp["block_table"], inp["seq_lens"], KV_DIM ** -0.5,
                                *inp["scales"], inp["plan"], out, lse, inp["ws"].partial_out, inp["ws"].partial_lse,
                                rows_per_block=rows_per_block)
+    # what one call writes: the final rows of single-split requests and the partials of the others
+    decode.outputs = (out, lse, inp["ws"].partial_out, inp["ws"].partial_lse)
     return decode
+
+
+def outputs_of(fn):
+    """Run fn once on zeroed outputs and return copies of everything it wrote (rows it does not own stay 0)."""
+    for t in fn.outputs:
+        t.zero_()
+    fn()
+    torch.cuda.synchronize()
+    return [t.clone() for t in fn.outputs]
+
+
+def compare_outputs(ref, got) -> str:
+    """'identical' when every tensor matches bit for bit, else the largest absolute difference (NaN-aware)."""
+    if all(torch.equal(a, b) for a, b in zip(ref, got)):
+        return "identical"
+    worst = 0.0
+    for a, b in zip(ref, got):
+        diff = (a.float() - b.float()).abs()
+        bad = torch.isnan(a.float()) != torch.isnan(b.float())
+        worst = max(worst, float("inf") if bool(bad.any()) else float(diff.nan_to_num(0.0).max()))
+    return f"DIFFERENT (max |diff| {worst:.3g})"
 
 
 def run_case(case, versions, rounds, per_round, bandwidth, rows_per_block=None, ctas=()):
@@ -130,12 +155,16 @@ def run_case(case, versions, rounds, per_round, bandwidth, rows_per_block=None, 
             t.extend(_time_once(fn) for _ in range(per_round))
     floor = inp["kv_bytes"] / bandwidth
     heads, q_len, page, kv_len, batch = case
+    # the variants' outputs against the current kernel's, same inputs and plan (the timing loop checks nothing)
+    ref = outputs_of(fns[0])
+    same = ["(reference)"] + [compare_outputs(ref, outputs_of(fn)) for fn in fns[1:len(fns) - len(ctas)]]
     print(f"H{heads} q{q_len} page {page} {kv_len} x B{batch} (KV floor {floor * 1e6:.1f} us):")
-    for (name, _), t in zip(versions, times):
+    for i, ((name, _), t) in enumerate(zip(versions, times)):
         med = statistics.median(t)
         spread = (max(t) - min(t)) / med
+        check = f"  outputs {same[i]}" if i < len(same) and i > 0 else ""
         print(f"  {name:>24}: {med * 1e6:8.1f} us  {med / floor:5.3f} x floor  {inp['kv_bytes'] / med / 1e12:.2f} TB/s "
-              f"of KV  (min {min(t) * 1e6:.1f}, spread {spread:.1%})")
+              f"of KV  (min {min(t) * 1e6:.1f}, spread {spread:.1%}){check}")
 
 
 def main(argv=None) -> int:

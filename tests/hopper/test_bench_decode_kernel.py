@@ -37,3 +37,16 @@ def test_main_needs_a_gpu_and_says_so(capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert bench_decode_kernel.main(["--case", "12 1 32 4096 1"]) == 2
     assert "GPU" in capsys.readouterr().err
+
+
+def test_compare_outputs_is_bitwise_and_reports_the_largest_difference():
+    import torch
+
+    import bench_decode_kernel
+
+    ref = [torch.zeros(4, dtype=torch.bfloat16), torch.tensor([1.0, float("-inf")])]
+    assert bench_decode_kernel.compare_outputs(ref, [t.clone() for t in ref]) == "identical"
+    got = [ref[0].clone(), torch.tensor([1.25, float("-inf")])]
+    assert bench_decode_kernel.compare_outputs(ref, got) == "DIFFERENT (max |diff| 0.25)"
+    got = [ref[0].clone(), torch.tensor([float("nan"), float("-inf")])]
+    assert bench_decode_kernel.compare_outputs(ref, got) == "DIFFERENT (max |diff| inf)"
