@@ -92,8 +92,9 @@ was no faster: one warpgroup's softmax chain became the bottleneck.) Warpgroup 2
 a chunk two iterations before its copies: read right before them, their L2 round trip sat on its chain once per
 chunk and the softmax warps waited for S_FULL (ncu: 10.5% of stall samples); ahead, decode alone: q8 1M x B1
 443.7 -> 417.8 us, q8 128K x B4 228.8 -> 213.9, H16 q2 1M x B2 408.0 -> 392.2, H12 q4 1M x B1 245.7 -> 230.2.
-64-row blocks keep `kernel`: the S^T warpgroup's 64 accumulators and the P.V warpgroups' 128 O^T registers do
-not fit 3 x 168 registers.
+64-row blocks (H128, H16 q_len 4) run it too, with setmaxnreg 200 / 104 (`sw_register_budgets`): the S^T
+warpgroup's 64 accumulators and the P.V warpgroups' 128 O^T registers fit no other split of 3 x 168 without
+spills or serialised wgmmas. (Not yet measured against `kernel` on the GPU: branch wip/sw64.)
 
 Shared memory per CTA (4 stages): 160 KB ring + 5 x ROWS x 128 B Q + 2 x 2 x ROWS x 72 x 4 B S partials +
 2 x ROWS x 64 B P (~190 KB for ROWS 16, ~220 KB for ROWS 32); 3 stages and one S^T buffer: ~191 KB for ROWS 48,
@@ -150,11 +151,20 @@ P_PLANES_ENV = "CUTE_MLA_P_PLANES"
 # 3 x 168, what a 384-thread launch gives each thread triple (setmaxnreg.inc waits for registers that .dec freed)
 SW_REGS_PV = 208
 SW_REGS_S = 88
+# 64 rows: the S^T warpgroup holds two chains of 32 accumulators, the P.V warpgroups 128 O^T registers. ptxas
+# (sm_90a): 208 / 88 serialises the wgmmas, 216 / 72 spills, 200 / 104 neither.
+SW_REGS_PV_64 = 200
+SW_REGS_S_64 = 104
+
+
+def sw_register_budgets(rows_per_block: int):
+    """(P.V warpgroups, S^T warpgroup) setmaxnreg budgets of `kernel_sw`."""
+    return (SW_REGS_PV_64, SW_REGS_S_64) if rows_per_block == 64 else (SW_REGS_PV, SW_REGS_S)
 
 
 def default_s_warpgroup(rows_per_block: int) -> bool:
-    """Whether 32- and 48-row blocks run `kernel_sw` (S^T and the KV loads in a third warpgroup)."""
-    return rows_per_block in (32, 48) and os.environ.get("CUTE_MLA_S_WARPGROUP", "1") == "1"
+    """Whether 32-, 48- and 64-row blocks run `kernel_sw` (S^T and the KV loads in a third warpgroup)."""
+    return rows_per_block in (32, 48, 64) and os.environ.get("CUTE_MLA_S_WARPGROUP", "1") == "1"
 
 
 def default_p_planes(num_heads: int, q_len: int) -> int:
@@ -219,12 +229,12 @@ class MLADecodeSM90:
         self.pingpong = (self.rows == 16 and num_stages == 4) if pingpong is None else bool(pingpong)
         if self.pingpong and (self.rows != 16 or num_stages != 4):
             raise ValueError("the ping-pong schedule needs 16-row blocks and 4 stages (2 per warpgroup)")
-        # S^T warpgroup (32- and 48-row split schedule): see `kernel_sw`
+        # S^T warpgroup (32-, 48- and 64-row split schedule): see `kernel_sw`
         self.s_wg = (default_s_warpgroup(self.rows) if s_warpgroup is None else bool(s_warpgroup)) \
             and not self.pingpong
         if self.s_wg:
-            if self.rows not in (32, 48):
-                raise ValueError("the S^T warpgroup needs 32- or 48-row blocks")
+            if self.rows not in (32, 48, 64):
+                raise ValueError("the S^T warpgroup needs 32-, 48- or 64-row blocks")
             self.num_threads = NUM_THREADS + NUM_THREADS // 2
             self.s_buffers = 1  # the space of one buffer of two partials holds the two buffers of full S^T
         # softmax threads per row: 16, 8 or 4 (both warpgroups on one chunk), 8 (one warpgroup per chunk); a
@@ -739,7 +749,7 @@ class MLADecodeSM90:
         b = mCtaFirstReq[cta]
         if wg == 2:
             # ================================ S^T warpgroup: loads and S^T ================================
-            cute.arch.setmaxregister_decrease(SW_REGS_S)
+            cute.arch.setmaxregister_decrease(sw_register_budgets(ROWS)[1])
             tw = tidx - NUM_THREADS
             acc_S = cute.make_rmem_tensor(cute.make_layout((NA,)), Float32)
             acc_S2 = cute.make_rmem_tensor(cute.make_layout((NA,)), Float32)
@@ -814,7 +824,7 @@ class MLADecodeSM90:
                 b = b + 1
         else:
             # ================================ softmax and P.V warpgroups ================================
-            cute.arch.setmaxregister_increase(SW_REGS_PV)
+            cute.arch.setmaxregister_increase(sw_register_budgets(ROWS)[0])
             acc_O = cute.make_rmem_tensor(cute.make_layout((4 * NA,)), Float32)
             srow = tidx // TPR
             ssub = tidx % TPR

@@ -227,14 +227,16 @@ def test_matches_reference_gpu(num_heads, q_len, page_size, tile_tokens, causal,
         torch.testing.assert_close(got_out[b], ref_out[b].float(), atol=2e-2, rtol=2e-2)
 
 
-def test_s_warpgroup_schedule_for_32_and_48_rows(monkeypatch):
-    """32- and 48-row blocks run kernel_sw (384 threads, setmaxnreg 208 / 88) unless CUTE_MLA_S_WARPGROUP=0;
-    16- and 64-row blocks keep their schedules. It compiles without spills (the spill checks above cover the
-    default configurations, which include it)."""
-    from mla_backend.hopper.decode_sm90 import SW_REGS_PV, SW_REGS_S, MLADecodeSM90, _static_key
+def test_s_warpgroup_schedule_for_32_48_and_64_rows(monkeypatch):
+    """32-, 48- and 64-row blocks run kernel_sw (384 threads, setmaxnreg 208 / 88, 200 / 104 at 64 rows) unless
+    CUTE_MLA_S_WARPGROUP=0; 16-row blocks keep the ping-pong. It compiles without spills (the spill checks
+    above cover the default configurations, which include it)."""
+    from mla_backend.hopper.decode_sm90 import MLADecodeSM90, _static_key, sw_register_budgets
 
-    assert 2 * SW_REGS_PV + SW_REGS_S == 3 * 168  # what a 384-thread launch gives each thread triple
-    for h, q, sw in ((12, 8, True), (16, 2, True), (12, 4, True), (12, 1, False), (128, 1, False), (16, 4, False)):
+    for rows in (32, 48, 64):
+        pv, s = sw_register_budgets(rows)
+        assert 2 * pv + s == 3 * 168  # what a 384-thread launch gives each thread triple
+    for h, q, sw in ((12, 8, True), (16, 2, True), (12, 4, True), (12, 1, False), (128, 1, True), (16, 4, True)):
         op = MLADecodeSM90(h, q, 32)
         assert op.s_wg == sw and op.num_threads == (384 if sw else 256), (h, q)
         if sw:
@@ -244,5 +246,5 @@ def test_s_warpgroup_schedule_for_32_and_48_rows(monkeypatch):
     assert _static_key(12, 8, 32, 64, True, None, None, None, None, "sm_90a")[-1] is False
     monkeypatch.delenv("CUTE_MLA_S_WARPGROUP")
     assert _static_key(12, 8, 32, 64, True, None, None, None, None, "sm_90a")[-1] is True
-    with pytest.raises(ValueError, match="32- or 48-row"):
-        MLADecodeSM90(128, 1, 32, s_warpgroup=True)
+    with pytest.raises(ValueError, match="32-, 48- or 64-row"):
+        MLADecodeSM90(12, 1, 32, rows_per_block=16, pingpong=False, s_warpgroup=True)
