@@ -94,7 +94,8 @@ chunk and the softmax warps waited for S_FULL (ncu: 10.5% of stall samples); ahe
 443.7 -> 417.8 us, q8 128K x B4 228.8 -> 213.9, H16 q2 1M x B2 408.0 -> 392.2, H12 q4 1M x B1 245.7 -> 230.2.
 64-row blocks (H128, H16 q_len 4) run it too, with setmaxnreg 200 / 104 (`sw_register_budgets`): the S^T
 warpgroup's 64 accumulators and the P.V warpgroups' 128 O^T registers fit no other split of 3 x 168 without
-spills or serialised wgmmas. (Not yet measured against `kernel` on the GPU: branch wip/sw64.)
+spills or serialised wgmmas. Decode alone against `kernel` (bench_decode_kernel, one process): H128 q1 page 64
+128K x B4 337.3 -> 257.7 us, H128 q2 256K x B2 624.7 -> 475.7, H16 q4 page 64 1M x B1 367.3 -> 283.2.
 
 Shared memory per CTA (4 stages): 160 KB ring + 5 x ROWS x 128 B Q + 2 x 2 x ROWS x 72 x 4 B S partials +
 2 x ROWS x 64 B P (~190 KB for ROWS 16, ~220 KB for ROWS 32); 3 stages and one S^T buffer: ~191 KB for ROWS 48,
