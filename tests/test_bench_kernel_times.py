@@ -41,3 +41,25 @@ def test_flush_separates_steps_and_other_kernels_are_ignored():
     got = bench_decode.step_kernel_durations(events)
     assert got["decode"] == 100.0 and got["planner"] == 3.0 and got["combine"] == 6.0
     assert got["step"] == 105.0  # median of the spans 110 and 100
+
+
+def test_case_kv_views_the_pool():
+    """Each case's pages are the first bytes of the run's one KV pool (as in an engine's cache), shaped
+    [pages, page_size, 576]; a pool too small for a case is an error, and without a pool a case allocates."""
+    import pytest
+    import torch
+
+    small = bench_decode.Case("a", [33, 64], page_size=32)  # 2 + 2 pages + 1 spare
+    large = bench_decode.Case("b", [1000], page_size=64)  # 16 pages + 1 spare
+    assert bench_decode.case_kv_bytes(small) == 5 * 32 * 576
+    assert bench_decode.case_kv_bytes(large) == 17 * 64 * 576
+    pool = torch.zeros(max(bench_decode.case_kv_bytes(c) for c in (small, large)), dtype=torch.uint8)
+    kv = bench_decode.case_kv(pool, small, device="cpu")
+    assert kv.shape == (5, 32, 576) and kv.data_ptr() == pool.data_ptr()
+    kv.fill_(7)
+    assert int(pool[:5 * 32 * 576].sum()) == 7 * 5 * 32 * 576 and int(pool[5 * 32 * 576:].sum()) == 0
+    assert bench_decode.case_kv(pool, large, device="cpu").shape == (17, 64, 576)
+    with pytest.raises(ValueError, match="KV pool"):
+        bench_decode.case_kv(pool[:100], large, device="cpu")
+    fresh = bench_decode.case_kv(None, small, device="cpu")
+    assert fresh.shape == (5, 32, 576) and fresh.data_ptr() != pool.data_ptr()
