@@ -9,8 +9,10 @@ the start of the run. Output: a table, a CSV and a plot of time / floor per case
 The KV cache is one pool allocated at the start of the run, before anything else, as an engine allocates its
 cache once; each case's pages are the first pages of that pool (`case_kv`). `--kv-alloc per-case` gives each
 case its own allocation, made after the previous case's memory went back to the driver (the bench before
-2026-12-01 c). On the H200 the same kernel measured 566 us (1M x B4) on a first allocation and ~640 us on one
-made after a cudaFree of earlier GB-sized buffers (docs/performance.md, "Where the KV memory comes from").
+2026-12-01 c). Where the memory comes from matters on the H200: the same kernel measured ~632-644 us at 1M x B4
+with its KV in a fresh cudaMalloc (this pool, or per case) and ~560-568 us in memory mapped through PyTorch's
+expandable segments or reused from its cache (docs/performance.md, "Where the KV memory comes from"); compare
+runs only within one mode.
 """
 
 from __future__ import annotations

@@ -18,6 +18,10 @@ busy while the host enqueues the start event, the launch and the end event (with
 ~70-80 us at 1M x B4, is timed too). The floor is the KV bytes over the read bandwidth measured at the start of
 the same run (benchmarks/bench_decode.py's streaming-read kernel). `python -m mla_backend bench` is the
 decode-step benchmark (planner and combine included, CUDA graphs).
+
+The L2 is not emptied between launches here. A change to how the KV reaches shared memory can measure
+differently as a step: the ping-pong's L2::128B copy hint gained 2-4% here and 4-13% in the step
+(docs/performance.md), so confirm such changes with the step benchmark.
 """
 
 from __future__ import annotations

@@ -55,8 +55,9 @@ ROWS is 16 when R = q_len * H <= 16 (the ping-pong schedule below); otherwise th
 64 rows, the smallest on a tie (H 16 q_len 2: 32; H 12 q_len 4 and 8: 48; H 128: 64). R > ROWS uses several row
 blocks, each of which reads the KV again (from L2 when its neighbours in the grid run at the same time). 96 rows
 (H 12, q_len 8) in one block would need 192 KB of fp32 O^T, more than the register file. 48 and 64 rows run 3
-ring stages and one S^T buffer (ptxas: 48 rows 220 registers; 64 rows, with 128 O^T and 32 S^T accumulators per
-thread, 255 registers, no spills: tests/hopper's spill check guards it). Against 32-row blocks on the H200
+ring stages and one S^T buffer (ptxas, two-warpgroup `kernel`: 48 rows 220 registers; 64 rows, with 128 O^T and 32
+S^T accumulators per thread, 255 registers, no spills; `kernel_sw`, the default, below; tests/hopper's spill check
+guards both). Against 32-row blocks on the H200
 (decode alone): H12 q8 1M x B1 630.6 -> 548.4 us, H128 q1 128K x B4 433.1 -> 327.7, H12 q4 1M x B1 429.1 ->
 285.8.
 
@@ -82,7 +83,7 @@ the lse tolerance). On the H200 this took q_len 1 at 1M tokens from 1.31-1.38x t
 alone); with 32 rows it would need 128 O^T accumulators per thread, and 16-row blocks for 32+ rows were slower
 (a second pass over the KV).
 
-S^T warpgroup (32- and 48-row blocks, `kernel_sw`, the default; CUTE_MLA_S_WARPGROUP=0 turns it off): a third
+S^T warpgroup (32-, 48- and 64-row blocks, `kernel_sw`, the default; CUTE_MLA_S_WARPGROUP=0 turns it off): a third
 warpgroup loads Q and the KV ring and runs all 18 k32 steps of S^T per chunk, storing the full S^T into one of
 two buffers; warpgroups 0 and 1 run only the softmax and P.V. The softmax warps no longer issue, wait for or store
 S^T, and S^T(ci + 1) runs under the softmax of chunk ci. H200, decode alone, one process, against the
@@ -1093,8 +1094,9 @@ class MLADecodeSM90:
         The ping-pong schedule (16 rows, memory-bound) copies with the L2::128B prefetch hint, so an L2 miss
         fetches the whole 128-byte line at once instead of the 64 bytes a warp's copy touches in each of 8
         token rows. H200, decode alone, one process: H12 q1 1M x B1 165.2 -> 161.1 us, 128K x B4 90.5 -> 86.9,
-        1M x B4 610.0 -> 598.1 (L2::256B: 163.4, 87.5, 601.5); q_len 8 (the S^T warpgroup) 414.0 -> 425.8 slower,
-        so the other schedules keep CuTe's plain cp.async."""
+        1M x B4 610.0 -> 598.1 (L2::256B: 163.4, 87.5, 601.5); as steps (L2 emptied first) 4-13%: 1M x B1 174.0
+        -> 157.5, 128K x B4 99.9 -> 88.1. The S^T warpgroup's copies with it: q_len 8 steps 3-4% slower (1M x B1
+        394.8 -> 406.8), 32 and 64 rows 0-1.5% faster, so the other schedules keep CuTe's plain cp.async."""
         P = self.page_size
         PIECES = KV_DIM // 16
         n = tidx // 4 + token_offset
