@@ -9,10 +9,12 @@ the start of the run. Output: a table, a CSV and a plot of time / floor per case
 The KV cache is one pool allocated at the start of the run, before anything else, as an engine allocates its
 cache once; each case's pages are the first pages of that pool (`case_kv`). `--kv-alloc per-case` gives each
 case its own allocation, made after the previous case's memory went back to the driver (the bench before
-2026-12-01 c). Where the memory comes from matters on the H200: the same kernel measured ~632-644 us at 1M x B4
-with its KV in a fresh cudaMalloc (this pool, or per case) and ~560-568 us in memory mapped through PyTorch's
-expandable segments or reused from its cache (docs/performance.md, "Where the KV memory comes from"); compare
-runs only within one mode.
+2026-12-01 c).
+
+A step is timed by CUDA events around one graph replay, after the L2 flush. The events also catch any time the
+GPU waits for the host's graph launch after the flush: on the H200 the same decode kernel (558-560 us in the
+profiler trace, `--kernel-times`) measured 565-645 us as a 1M x B4 step, depending on the process
+(docs/performance.md, "Step time by events: the host's graph launch").
 """
 
 from __future__ import annotations
