@@ -205,8 +205,8 @@ def run_case(case: Case, bandwidth: float, fp8_flops: float, reps: int, check: b
     torch.manual_seed(0)
     batch, page = len(case.lengths), case.page_size
     pages_per = [-(-n // page) for n in case.lengths]
-    num_pages = sum(pages_per) + 1
     kv = case_kv(kv_pool, case)
+    num_pages = kv.shape[0]  # the requests' pages and one spare
     kv.random_(0, 256)
     kv[(kv & 0x7F) == 0x7F] = 0  # random bytes include the E4M3 NaN codes
     kv = kv.view(torch.float8_e4m3fn)
