@@ -266,7 +266,9 @@ def run_case(case: Case, bandwidth: float, fp8_flops: float, reps: int, check: b
     if kernel_times:
         for kind, us in trace_kernel_durations(graph, flush, reps, flush_mode).items():
             case.results[f"{kind}_kernel_us"] = us
-    # The planner and the combine alone (graph replays, L2 warm: their inputs are small).
+    # The planner and the combine alone (graph replays, L2 warm: their inputs are small). The spin kernel first:
+    # 20 replays of a few-us graph are enqueued while it runs, so the events time the GPU (each kernel plus the
+    # gap between graph launches), not the host's launch rate.
     from mla_backend.hopper.combine_sm90 import run_combine_sm90
 
     def plan_only():
@@ -281,6 +283,7 @@ def run_case(case: Case, bandwidth: float, fp8_flops: float, reps: int, check: b
             fn()
         part.replay()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(SPIN_CYCLES)
         start.record()
         for _ in range(20):
             part.replay()
