@@ -11,10 +11,14 @@ cache once; each case's pages are the first pages of that pool (`case_kv`). `--k
 case its own allocation, made after the previous case's memory went back to the driver (the bench before
 2026-12-01 c).
 
-A step is timed by CUDA events around one graph replay, after the L2 flush. The events also catch any time the
-GPU waits for the host's graph launch after the flush: on the H200 the same decode kernel (558-560 us in the
-profiler trace, `--kernel-times`) measured 565-645 us as a 1M x B4 step, depending on the process
-(docs/performance.md, "Step time by events: the host's graph launch").
+A step is timed by CUDA events around one graph replay, after the L2 flush and a spin kernel that keeps the GPU
+busy while the host enqueues the replay (`run_case`); the "no spin" column is the same without it, which also
+catches any time the GPU waits for the host's graph launch (docs/performance.md, "Step time by events").
+
+`--kernel-times` adds each kernel's duration from a profiler trace and the span from the first kernel's start to
+the last one's end ("step kernel"). With programmatic dependent launch (the default, `CUTE_MLA_PDL`) the decode
+and combine kernels start before the kernel ahead of them ends and wait for it on the GPU, so their durations
+include that wait; the span does not double count it.
 """
 
 from __future__ import annotations

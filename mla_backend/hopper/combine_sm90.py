@@ -30,7 +30,7 @@ import torch
 
 from ..planner import device_sms
 from ..shapes import LATENT_DIM
-from .cute_utils import cuda_stream, gmem_ptr
+from .cute_utils import cuda_stream, gmem_ptr, pdl_prologue, use_pdl
 
 LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
@@ -50,7 +50,8 @@ class CombineSplitsSM90:
     """Static configuration: the number of query rows per request (q_len * heads) and the number of CTAs that
     share a row's 512 columns (1 or DIM_SPLITS)."""
 
-    def __init__(self, rows: int, dim_splits: int = 1):
+    def __init__(self, rows: int, dim_splits: int = 1, pdl: bool = False):
+        self.pdl = pdl
         assert LATENT_DIM % (dim_splits * 32 * VEC) == 0
         self.rows = rows
         self.dim_splits = dim_splits
@@ -73,7 +74,7 @@ class CombineSplitsSM90:
         num_splits = cute.make_tensor(p_num_splits, cute.make_layout((max_batch,)))
         split_offset = cute.make_tensor(p_split_offset, cute.make_layout((max_batch,)))
         self.kernel(partial_out, partial_lse, out, lse, num_splits, split_offset).launch(
-            grid=[batch, R, self.dim_splits], block=[THREADS, 1, 1], stream=stream)
+            grid=[batch, R, self.dim_splits], block=[THREADS, 1, 1], stream=stream, use_pdl=self.pdl)
 
     @cute.jit
     def _block_reduce(self, value: cutlass.Float32, scratch: cute.Tensor, warp, lane, is_max: cutlass.Constexpr):
@@ -96,6 +97,7 @@ class CombineSplitsSM90:
     @cute.kernel
     def kernel(self, partial_out: cute.Tensor, partial_lse: cute.Tensor, out: cute.Tensor, lse: cute.Tensor,
                num_splits: cute.Tensor, split_offset: cute.Tensor):
+        pdl_prologue(self.pdl)
         tidx, _, _ = cute.arch.thread_idx()
         request, row, part_of_row = cute.arch.block_idx()
         lane = tidx % 32
@@ -232,12 +234,12 @@ def compile_combine_sm90(rows: int, dim_splits: int = 1):
     """The compiled combine for `rows` query rows per request and `dim_splits` CTAs per row, cached by that
     static key. Every run-time value (pointers, batch, slots, plan size, stream) is an argument, so this
     compiles without a GPU."""
-    key = (rows, dim_splits)
+    key = (rows, dim_splits, use_pdl())
     if key not in _compiled:
         args = (gmem_ptr(cutlass.Float32, 16), gmem_ptr(cutlass.Float32, 4), gmem_ptr(cutlass.BFloat16, 16),
                 gmem_ptr(cutlass.Float32, 4), gmem_ptr(cutlass.Int32, 4), gmem_ptr(cutlass.Int32, 4),
                 cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(1), cuda_stream())
-        _compiled[key] = cute.compile(CombineSplitsSM90(rows, dim_splits), *args)
+        _compiled[key] = cute.compile(CombineSplitsSM90(*key), *args)
     return _compiled[key]
 
 

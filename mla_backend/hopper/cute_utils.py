@@ -7,6 +7,8 @@ step. Compilation uses the same pointer type at a dummy address, so it needs no 
 
 from __future__ import annotations
 
+import os
+
 import cuda.bindings.driver as cuda
 import cutlass.cute as cute
 from cutlass.cute.runtime import make_ptr
@@ -41,3 +43,26 @@ def cuda_stream(stream=None):
     """The CUstream of a torch.cuda.Stream (None: the null stream, for compilation)."""
     handle = 0 if stream is None else stream.cuda_stream
     return _cached(_streams, handle, lambda: cuda.CUstream(handle))
+
+
+PDL_ENV = "CUTE_MLA_PDL"
+
+
+def use_pdl() -> bool:
+    """Whether the planner, decode and combine kernels are compiled for programmatic dependent launch (the
+    default; CUTE_MLA_PDL=0 turns it off): each is launched while the kernel before it in the stream still runs,
+    and waits with griddepcontrol.wait before its first global-memory access, so its launch and CTA start-up
+    overlap the previous kernel's tail instead of following it. A kernel that follows one launched without PDL
+    (any engine kernel) starts as usual, after it. Part of every kernel's compile key."""
+    value = os.environ.get(PDL_ENV, "1").strip()
+    if value not in ("0", "1"):
+        raise ValueError(f"{PDL_ENV} must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
+def pdl_prologue(pdl: bool):
+    """Inside a kernel: with PDL, wait for the previous kernel in the stream (its completion and memory
+    flush) and let the next PDL kernel start launching. Must precede every global-memory access."""
+    if pdl:
+        cute.arch.griddepcontrol_wait()
+        cute.arch.griddepcontrol_launch_dependents()

@@ -116,7 +116,7 @@ from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync
 
 from ..shapes import default_rows_per_block
-from .cute_utils import cuda_stream, gmem_ptr
+from .cute_utils import cuda_stream, gmem_ptr, pdl_prologue, use_pdl
 from .warp_fp8 import (cp_async_16_l2_128, fence_operand, fence_proxy_async_smem, ldmatrix_x4, prmt,
                        quantize_p_e4m3, quantize_p_hi_lo, wgmma_commit, wgmma_fence, wgmma_rs_e4m3, wgmma_ss_e4m3,
                        wgmma_wait)
@@ -197,6 +197,7 @@ class MLADecodeSM90:
         pingpong: Optional[bool] = None,
         p_planes: Optional[int] = None,
         s_warpgroup: Optional[bool] = None,
+        pdl: Optional[bool] = None,
     ):
         if page_size <= 0 or page_size & (page_size - 1):
             raise ValueError(f"page_size must be a power of two, got {page_size}")
@@ -248,6 +249,7 @@ class MLADecodeSM90:
         self.p_planes = default_p_planes(num_heads, q_len) if p_planes is None else int(p_planes)
         if self.p_planes not in (1, 2):
             raise ValueError(f"p_planes must be 1 (e4m3 P) or 2 (hi/lo e4m3 P), got {self.p_planes}")
+        self.pdl = use_pdl() if pdl is None else bool(pdl)
 
     @cute.jit
     def __call__(
@@ -339,6 +341,7 @@ class MLADecodeSM90:
             grid=(self.num_row_blocks, num_ctas, 1),
             block=(self.num_threads, 1, 1),
             stream=stream,
+            use_pdl=self.pdl,
             **bounds,
         )
 
@@ -378,6 +381,7 @@ class MLADecodeSM90:
         NA = ROWS // 2  # accumulators per m64 tile of S^T or O^T
         WGT = NUM_THREADS // 2  # threads per warpgroup
 
+        pdl_prologue(self.pdl)
         tidx, _, _ = cute.arch.thread_idx()
         rb, cta, _ = cute.arch.block_idx()
         row0 = rb * ROWS
@@ -485,7 +489,7 @@ class MLADecodeSM90:
 
             acc_O.fill(0.0)
             row_max = -Float32.inf  # base-2, scaled
-            row_sum = Float32(0.0)  # this thread's copy, identical across the row's TPR threads
+            row_sum = Float32(0.0)  # this thread's share of the row's sum (reduced over its TPR threads at the end)
 
             if cutlass.const_expr(self.pingpong):
                 # ======== ping-pong: warpgroup wg takes the chunks 2 j + wg (ring stages wg and wg + 2) ========
@@ -549,6 +553,7 @@ class MLADecodeSM90:
                 cute.arch.cp_async_wait_group(0)
 
                 # ---- merge the warpgroups' partials: rescale each to the common max, swap halves of the dims ----
+                row_sum = self._row_allreduce(row_sum, False)
                 if ssub == 0:
                     sML[0, srow, wg] = row_max
                     sML[1, srow, wg] = row_sum
@@ -650,6 +655,7 @@ class MLADecodeSM90:
                     acc_O[i] = fence_operand(acc_O[i])
 
                 cute.arch.cp_async_wait_group(0)
+                row_sum = self._row_allreduce(row_sum, False)
                 if ssub == 0 and srow < ROWS:
                     self._finish_row(row_max, row_sum, k_scale, sInvL, mLse, mPLse, srow, srow_g, b, split, slot)
                 cute.arch.barrier()
@@ -710,6 +716,7 @@ class MLADecodeSM90:
         S_FREE = 4  # + buffer
         LOAD_BAR = 6  # warpgroup 2 alone: every copy of a chunk landed
 
+        pdl_prologue(self.pdl)
         tidx, _, _ = cute.arch.thread_idx()
         rb, cta, _ = cute.arch.block_idx()
         row0 = rb * ROWS
@@ -863,6 +870,7 @@ class MLADecodeSM90:
                 wgmma_wait(0)
                 for i in cutlass.range_constexpr(4 * NA):
                     acc_O[i] = fence_operand(acc_O[i])
+                row_sum = self._row_allreduce(row_sum, False)
                 if ssub == 0 and srow < ROWS:
                     self._finish_row(row_max, row_sum, k_scale, sInvL, mLse, mPLse, srow, srow_g, b, split, slot)
                 cute.arch.barrier()  # sInvL written; the S^T warpgroup is done with the segment
@@ -1121,7 +1129,9 @@ class MLADecodeSM90:
         """Online softmax of one chunk for the row this thread shares with TPR - 1 others: S^T from sS_chunk
         (row, token, partial: the partials are summed), P as hi/lo e4m3 words w = ssub + TPR*i (tokens
         pi(4w .. 4w + 3)) into sPw_buf (word, row, plane), tokens >= row_end masked. Returns the new running max
-        and sum and the factor alpha that rescales the output accumulated so far. Fences P for the wgmma."""
+        (the row's), this thread's share of the running sum (its tokens only: `_row_allreduce` at the end of a
+        segment adds the shares) and the factor alpha that rescales the output accumulated so far. Fences P for
+        the wgmma."""
         TPR = self.tpr
         WPT = self.words_per_thread
         parts = cute.size(sS_chunk, mode=[2])
@@ -1159,7 +1169,10 @@ class MLADecodeSM90:
                 sPw_buf[w, srow, 0] = quantize_p_e4m3(pv[0] * P_SCALE, pv[1] * P_SCALE, pv[2] * P_SCALE,
                                                       pv[3] * P_SCALE)
         fence_proxy_async_smem()  # P is a wgmma operand
-        csum = self._row_allreduce(csum, False)
+        # The sum stays per thread (alpha is the same for all the row's threads): reduced over the row's threads
+        # once per segment, not per chunk, which took two shuffles off each chunk's softmax chain (H200, decode
+        # alone, one process, two runs: H12 q8 1M x B1 400.7 -> 389.4 and 445.1 -> 433.8 us, H128 q1 page 64 128K x B4
+        # 249.0 -> 243.2 and 273.2 -> 267.5).
         return new_max, row_sum * alpha + csum, alpha
 
     @cute.jit
@@ -1182,7 +1195,7 @@ _COMPILED = {}
 
 
 def _static_key(num_heads, q_len, page_size, tile_tokens, causal, rows_per_block, num_stages, pingpong, p_planes,
-                arch, s_warpgroup=None):
+                arch, s_warpgroup=None, pdl=None):
     rows = rows_per_block or default_rows_per_block(num_heads, q_len)
     num_stages = default_num_stages(rows) if num_stages is None else num_stages
     if pingpong is None:
@@ -1192,7 +1205,8 @@ def _static_key(num_heads, q_len, page_size, tile_tokens, causal, rows_per_block
     if s_warpgroup is None:
         s_warpgroup = default_s_warpgroup(rows)
     return (int(num_heads), int(q_len), int(page_size), int(tile_tokens), bool(causal), int(rows),
-            int(num_stages), bool(pingpong), int(p_planes), arch, bool(s_warpgroup) and not pingpong)
+            int(num_stages), bool(pingpong), int(p_planes), arch, bool(s_warpgroup) and not pingpong,
+            use_pdl() if pdl is None else bool(pdl))
 
 
 def compile_decode_sm90(num_heads: int, q_len: int, page_size: int, tile_tokens: int = 64, causal: bool = True,
@@ -1211,7 +1225,7 @@ def compile_decode_sm90(num_heads: int, q_len: int, page_size: int, tile_tokens:
     if fn is not None:
         return fn
     op = MLADecodeSM90(num_heads, q_len, page_size, tile_tokens, causal, rows_per_block=key[5],
-                       num_stages=key[6], pingpong=key[7], p_planes=key[8], s_warpgroup=key[10])
+                       num_stages=key[6], pingpong=key[7], p_planes=key[8], s_warpgroup=key[10], pdl=key[11])
     ptr = gmem_ptr
     args = (
         ptr(FP8, 16), ptr(FP8, 16), ptr(Int32, 4), ptr(Int32, 4), ptr(Float32, 4), ptr(Float32, 4),

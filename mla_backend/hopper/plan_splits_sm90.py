@@ -21,7 +21,7 @@ import cutlass.cute as cute
 from cutlass import Int32, Int64
 
 from ..planner import MAX_PLANNED_KV_LEN
-from .cute_utils import cuda_stream, gmem_ptr
+from .cute_utils import cuda_stream, gmem_ptr, pdl_prologue, use_pdl
 
 THREADS = 512
 WARPS = THREADS // 32
@@ -33,7 +33,8 @@ def _search_steps(n: int) -> int:
 
 
 class PlanSplitsSM90:
-    def __init__(self, max_batch: int, num_ctas: int, tile_tokens: int, segment_overhead: int):
+    def __init__(self, max_batch: int, num_ctas: int, tile_tokens: int, segment_overhead: int, pdl: bool = False):
+        self.pdl = pdl
         self.max_batch = max_batch
         self.num_ctas = num_ctas
         self.tile_tokens = tile_tokens
@@ -52,7 +53,8 @@ class PlanSplitsSM90:
                    cute.make_tensor(p_request_first_cta, cute.make_layout(B)),
                    cute.make_tensor(p_num_splits, cute.make_layout(B)),
                    cute.make_tensor(p_split_offset, cute.make_layout(B)))
-        self.kernel(seq_lens, *outputs, batch).launch(grid=[1, 1, 1], block=[THREADS, 1, 1], stream=stream)
+        self.kernel(seq_lens, *outputs, batch).launch(grid=[1, 1, 1], block=[THREADS, 1, 1], stream=stream,
+                                                      use_pdl=self.pdl)
 
     @cute.jit
     def _exclusive_scan(self, values, scratch: cute.Tensor, warp, lane):
@@ -103,6 +105,7 @@ class PlanSplitsSM90:
     def kernel(self, seq_lens: cute.Tensor, cta_tile_start: cute.Tensor, cta_first_request: cute.Tensor,
                request_tile_start: cute.Tensor, request_first_cta: cute.Tensor, num_splits: cute.Tensor,
                split_offset: cute.Tensor, batch: Int32):
+        pdl_prologue(self.pdl)
         B, N, T, OVH, PER = self.max_batch, self.num_ctas, self.tile_tokens, self.overhead, self.per_thread
         tidx, _, _ = cute.arch.thread_idx()
         lane = tidx % 32
@@ -219,7 +222,7 @@ _compiled = {}
 
 def compile_plan_splits_sm90(max_batch: int, num_ctas: int, tile_tokens: int, segment_overhead: int):
     """The compiled planner for a plan shape, cached by its static key (no GPU needed to compile)."""
-    key = (max_batch, num_ctas, tile_tokens, segment_overhead)
+    key = (max_batch, num_ctas, tile_tokens, segment_overhead, use_pdl())
     if key not in _compiled:
         op = PlanSplitsSM90(*key)
         _compiled[key] = cute.compile(op, *(gmem_ptr(Int32, 4) for _ in range(7)), Int32(1), cuda_stream())

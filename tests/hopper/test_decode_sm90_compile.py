@@ -243,8 +243,8 @@ def test_s_warpgroup_schedule_for_32_48_and_64_rows(monkeypatch):
             assert op.s_buffers == 1
     monkeypatch.setenv("CUTE_MLA_S_WARPGROUP", "0")
     assert not MLADecodeSM90(12, 8, 32).s_wg
-    assert _static_key(12, 8, 32, 64, True, None, None, None, None, "sm_90a")[-1] is False
+    assert _static_key(12, 8, 32, 64, True, None, None, None, None, "sm_90a")[10] is False
     monkeypatch.delenv("CUTE_MLA_S_WARPGROUP")
-    assert _static_key(12, 8, 32, 64, True, None, None, None, None, "sm_90a")[-1] is True
+    assert _static_key(12, 8, 32, 64, True, None, None, None, None, "sm_90a")[10] is True
     with pytest.raises(ValueError, match="32-, 48- or 64-row"):
         MLADecodeSM90(12, 1, 32, rows_per_block=16, pingpong=False, s_warpgroup=True)
