@@ -1,4 +1,4 @@
-"""Torch -> CuTe DSL launch arguments shared by the SM90 launchers.
+"""Torch -> CuTe DSL launch arguments shared by the SM90 launchers, and their programmatic-dependent-launch switch.
 
 The kernels take raw global-memory pointers plus their run-time extents, never framework tensors: converting a
 torch tensor (DLPack) costs microseconds of host time each, several per call, which eager callers pay on every
