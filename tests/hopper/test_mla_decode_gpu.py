@@ -88,6 +88,18 @@ def test_batch_sizes(batch):
     run_and_check(lengths, 12, 2, 32, seed=batch)
 
 
+@pytest.mark.parametrize("heads,page", [(12, 32), (16, 64)])
+def test_many_short_requests_per_cta(heads, page):
+    """200 requests of 0-3000 tokens on 132 CTAs at q_len 1: the ping-pong schedule's CTAs walk several
+    segments each (Q, pipeline fill, merge and output per segment)."""
+    g = torch.Generator().manual_seed(heads + page)
+    lengths = torch.randint(0, 3000, (200,), generator=g).tolist()
+    plan = plan_splits(torch.tensor(lengths, dtype=torch.int32), q_len=1, num_heads=heads, page_size=page,
+                       num_ctas=132, max_batch=256)
+    assert torch.bincount(plan.segments()[:, 0]).max() >= 3  # what this test is for
+    run_and_check(lengths, heads, 1, page, seed=heads + page)
+
+
 @pytest.mark.parametrize("heads,q_len,page,lengths", [(32, 1, 32, EDGE + [131072]), (12, 8, 32, EDGE + [5000]),
                                                       (16, 2, 64, EDGE + [5000]), (128, 1, 32, [1, 33, 3000]),
                                                       (16, 8, 64, [M, 33])])
