@@ -11,8 +11,9 @@ warp walking 132 partials one after the other waits on 132 dependent round trips
 version spent ~100 us there for a single 128K request). Here the split LSEs are read by all 256 threads at
 once and reduced across the CTA (with at most 32 splits every warp reduces them itself, a lane per split, and
 no CTA barrier precedes the sum), and the 8 warps take every 8th partial each, so about 17 partial rows per
-warp, eight at a time (unrolled), the first 2 (8 with four CTAs per row) loaded before the LSE reductions so that
-their round trip overlaps the LSEs'; each lane owns 16-byte vectors of the CTA's 512 or 128 columns.
+warp, eight at a time (unrolled), the first 2 (8 with four CTAs per row, all of them, up to 17, while the grid is
+one CTA per SM) loaded before the LSE reductions so that their round trip overlaps the LSEs'; each lane owns
+16-byte vectors of the CTA's 512 or 128 columns.
 The warps' sums are added through shared memory at the end.
 
 out = sum_s exp(lse_s - lse) * O_s, lse = log(sum_s exp(lse_s)), computed in base 2; a row whose partials
@@ -42,6 +43,11 @@ VEC = 4  # fp32 per 16-byte access
 # each reading all of the row's ~130 partials: ~8 us of a 1M-token step. With more rows than SMs the quarters
 # only multiply the weight work (measured: 8K x B128 combine 7.6 -> 12.1 us), so those keep one CTA per row.
 DIM_SPLITS = 4
+# Partials per warp loaded before the LSE reductions when the whole grid fits one CTA per SM (`prefetch_all`): a
+# plan cuts a request into at most one split per SM, and 17 per warp cover the 132 SMs of an H200 (the loop
+# after the prefetch takes any further splits). Their 68 registers would cost a larger grid its occupancy (H12
+# q_len 8 128K x B1, 384 CTAs: combine 5.3 -> 6.8 us), so it keeps 8 (one vector per lane) or 2 (four).
+PREFETCH_ALL = 17
 MAX_SPLITS = 2048  # split weights kept in shared memory; a plan has at most num_ctas splits per request
 LSE_PER_THREAD = MAX_SPLITS // THREADS
 
@@ -50,14 +56,14 @@ class CombineSplitsSM90:
     """Static configuration: the number of query rows per request (q_len * heads) and the number of CTAs that
     share a row's 512 columns (1 or DIM_SPLITS)."""
 
-    def __init__(self, rows: int, dim_splits: int = 1, pdl: bool = False):
+    def __init__(self, rows: int, dim_splits: int = 1, pdl: bool = False, prefetch_all: bool = False):
         self.pdl = pdl
         assert LATENT_DIM % (dim_splits * 32 * VEC) == 0
         self.rows = rows
         self.dim_splits = dim_splits
         self.cols = LATENT_DIM // dim_splits
         self.vecs_per_lane = self.cols // (32 * VEC)
-        self.prefetch = max(2, 8 // self.vecs_per_lane)  # partials per warp loaded before the LSE reductions
+        self.prefetch = PREFETCH_ALL if prefetch_all else max(2, 8 // self.vecs_per_lane)
 
     @cute.jit
     def __call__(self, p_partial_out: cute.Pointer, p_partial_lse: cute.Pointer, p_out: cute.Pointer,
@@ -230,11 +236,18 @@ def combine_dim_splits(batch: int, rows: int, num_sms: int) -> int:
     return DIM_SPLITS if batch * rows <= num_sms else 1
 
 
-def compile_combine_sm90(rows: int, dim_splits: int = 1):
-    """The compiled combine for `rows` query rows per request and `dim_splits` CTAs per row, cached by that
-    static key. Every run-time value (pointers, batch, slots, plan size, stream) is an argument, so this
-    compiles without a GPU."""
-    key = (rows, dim_splits, use_pdl())
+def combine_prefetch_all(batch: int, rows: int, num_sms: int) -> bool:
+    """Whether every warp loads its first PREFETCH_ALL partials before the LSE reductions: while the grid (with
+    DIM_SPLITS CTAs per row) is at most one CTA per SM, the small batches whose requests have the most splits.
+    H200, steps: H12 q_len 1 128K x B1 34.1-34.5 -> 32.3 us, 1M x B1 155.0-155.2 -> 153.4."""
+    return batch * rows * DIM_SPLITS <= num_sms
+
+
+def compile_combine_sm90(rows: int, dim_splits: int = 1, prefetch_all: bool = False):
+    """The compiled combine for `rows` query rows per request, `dim_splits` CTAs per row and the prefetch depth,
+    cached by that static key. Every run-time value (pointers, batch, slots, plan size, stream) is an argument,
+    so this compiles without a GPU."""
+    key = (rows, dim_splits, use_pdl(), bool(prefetch_all))
     if key not in _compiled:
         args = (gmem_ptr(cutlass.Float32, 16), gmem_ptr(cutlass.Float32, 4), gmem_ptr(cutlass.BFloat16, 16),
                 gmem_ptr(cutlass.Float32, 4), gmem_ptr(cutlass.Int32, 4), gmem_ptr(cutlass.Int32, 4),
@@ -262,7 +275,8 @@ def run_combine_sm90(plan, partial_out: torch.Tensor, partial_lse: torch.Tensor,
     if partial_out.data_ptr() % 16 or out.data_ptr() % 16:
         raise ValueError("partial_out and out must be 16-byte aligned")
     # the SM count, not the plan's CTAs: a plan for two row blocks has half as many CTAs as SMs
-    fn = compile_combine_sm90(rows, combine_dim_splits(batch, rows, device_sms(out.device)))
+    sms = device_sms(out.device)
+    fn = compile_combine_sm90(rows, combine_dim_splits(batch, rows, sms), combine_prefetch_all(batch, rows, sms))
     fn(gmem_ptr(cutlass.Float32, 16, partial_out.data_ptr()), gmem_ptr(cutlass.Float32, 4, partial_lse.data_ptr()),
        gmem_ptr(cutlass.BFloat16, 16, out.data_ptr()), gmem_ptr(cutlass.Float32, 4, lse.data_ptr()),
        gmem_ptr(cutlass.Int32, 4, plan.num_splits.data_ptr()),

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from mla_backend import DecodeWorkspace, plan_splits
-from mla_backend.hopper.combine_sm90 import DIM_SPLITS, combine_dim_splits, compile_combine_sm90, run_combine_sm90
+from mla_backend.hopper.combine_sm90 import (DIM_SPLITS, combine_dim_splits, combine_prefetch_all, compile_combine_sm90,
+                                             run_combine_sm90)
 from mla_backend.reference import merge_partials
 
 
@@ -12,6 +13,18 @@ from mla_backend.reference import merge_partials
 @pytest.mark.parametrize("dim_splits", [1, DIM_SPLITS])
 def test_combine_compiles_for_sm90a(rows, dim_splits):
     assert compile_combine_sm90(rows, dim_splits) is not None
+
+
+@pytest.mark.parametrize("rows", [12, 32])
+def test_combine_prefetching_every_split_compiles_for_sm90a(rows):
+    assert compile_combine_sm90(rows, DIM_SPLITS, prefetch_all=True) is not compile_combine_sm90(rows, DIM_SPLITS)
+
+
+def test_every_split_is_prefetched_only_while_the_grid_is_one_cta_per_sm():
+    assert combine_prefetch_all(batch=1, rows=12, num_sms=132)  # 48 CTAs
+    assert combine_prefetch_all(batch=2, rows=16, num_sms=132)  # 128 CTAs
+    assert not combine_prefetch_all(batch=3, rows=12, num_sms=132)  # 144 CTAs
+    assert not combine_prefetch_all(batch=1, rows=96, num_sms=132)  # q_len 8: 384 CTAs
 
 
 def test_rows_share_ctas_only_while_they_fit_one_wave():
@@ -32,22 +45,32 @@ def test_launcher_rejects_strided_buffers_before_launching():
         run_combine_sm90(plan, ws.partial_out, ws.partial_lse, out, lse, None)
 
 
+MIXED_LENGTHS = [0, 1, 50000, 64, 300000]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("heads,q_len,num_ctas", [(12, 1, 40), (12, 1, 132), (16, 4, 40), (128, 2, 40)])
-def test_combine_matches_reference_merge(heads, q_len, num_ctas):
-    """num_ctas 132 gives the 5 x 12 rows four CTAs each (quarters of the columns), the others one."""
+@pytest.mark.parametrize("heads,q_len,num_ctas,lengths", [
+    (12, 1, 40, MIXED_LENGTHS), (12, 1, 132, MIXED_LENGTHS), (16, 4, 40, MIXED_LENGTHS), (128, 2, 40, MIXED_LENGTHS),
+    (12, 1, 132, [300000, 64]), (12, 1, 132, [1 << 20])])
+def test_combine_matches_reference_merge(heads, q_len, num_ctas, lengths):
+    """num_ctas 132 gives the 5 x 12 rows four CTAs each (quarters of the columns), the others one. One or two
+    requests at 12 heads make a grid of at most one CTA per SM, whose warps load every split up front (the long
+    request has ~130 splits, so the prefetch, not the loop after it, merges them)."""
     torch.manual_seed(heads)
-    seq_lens = torch.tensor([0, 1, 50000, 64, 300000], dtype=torch.int32, device="cuda")
+    batch = len(lengths)
+    seq_lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
     plan = plan_splits(seq_lens, q_len=q_len, num_heads=heads, page_size=32, num_ctas=num_ctas)
+    if batch <= 2:
+        assert combine_prefetch_all(batch, q_len * heads, 132) and max(plan.num_splits.tolist()) > 120
     ws = DecodeWorkspace.for_plan(plan, q_len, heads)
     ws.partial_out.normal_()
     ws.partial_lse.normal_(mean=3.0, std=4.0)
     ws.partial_lse[ws.partial_lse < -3] = float("-inf")  # some splits saw no token for some rows
-    out = torch.full((5, q_len, heads, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
-    lse = torch.full((5, q_len, heads), float("nan"), device="cuda")
+    out = torch.full((batch, q_len, heads, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
+    lse = torch.full((batch, q_len, heads), float("nan"), device="cuda")
     run_combine_sm90(plan, ws.partial_out, ws.partial_lse, out, lse, torch.cuda.current_stream())
     splits, offsets = plan.num_splits.tolist(), plan.split_offset.tolist()
-    for b in range(5):
+    for b in range(batch):
         if splits[b] == 0:
             assert torch.all(out[b] == 0) and torch.all(torch.isneginf(lse[b]))
         elif splits[b] == 1:
