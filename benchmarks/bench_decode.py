@@ -80,32 +80,49 @@ def extended_cases():
 READ_SHAPES = ((8, 4096, 4), (4, 8192, 8), (2, 16384, 16))
 
 
-def measure_read_bandwidth(gib: float = 4.0) -> float:
-    """Bytes per second of a streaming read (Triton kernel summing int32 words) over a buffer >> L2: the best of
-    READ_SHAPES."""
+_READ_KERNEL = []
+
+
+def _read_kernel():
+    """A Triton kernel summing int32 words of x, grid-strided (built once, on first use: Triton is imported only
+    where a GPU runs the bench)."""
+    if not _READ_KERNEL:
+        import triton
+        import triton.language as tl
+
+        @triton.jit
+        def read_all(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+            pid = tl.program_id(0)
+            step = tl.num_programs(0) * BLOCK
+            acc = tl.zeros([BLOCK], dtype=tl.int32)
+            for start in range(pid * BLOCK, n, step):
+                offs = start + tl.arange(0, BLOCK)
+                acc += tl.load(x_ptr + offs, mask=offs < n, other=0, cache_modifier=".cg")
+            tl.store(out_ptr + pid * BLOCK + tl.arange(0, BLOCK), acc)
+
+        _READ_KERNEL.append(read_all)
+    return _READ_KERNEL[0]
+
+
+def streaming_read_rate(x: torch.Tensor, shape, rep_ms: int = 300) -> float:
+    """Bytes per second at which the streaming-read kernel of `shape` = (programs per SM, int32 per block, warps)
+    reads the int32 tensor x (median of triton's do_bench)."""
     import triton
-    import triton.language as tl
 
-    @triton.jit
-    def read_all(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
-        pid = tl.program_id(0)
-        step = tl.num_programs(0) * BLOCK
-        acc = tl.zeros([BLOCK], dtype=tl.int32)
-        for start in range(pid * BLOCK, n, step):
-            offs = start + tl.arange(0, BLOCK)
-            acc += tl.load(x_ptr + offs, mask=offs < n, other=0, cache_modifier=".cg")
-        tl.store(out_ptr + pid * BLOCK + tl.arange(0, BLOCK), acc)
+    per_sm, block, warps = shape
+    read_all = _read_kernel()
+    grid = torch.cuda.get_device_properties(x.device).multi_processor_count * per_sm
+    out = torch.empty(grid * block, dtype=torch.int32, device=x.device)
+    n = x.numel()
+    ms = triton.testing.do_bench(lambda: read_all[(grid,)](x, out, n, BLOCK=block, num_warps=warps), warmup=50,
+                                 rep=rep_ms, return_mode="median")
+    return n * 4 / (ms * 1e-3)
 
-    n = int(gib * (1 << 30)) // 4
-    x = torch.randint(-100, 100, (n,), dtype=torch.int32, device="cuda")
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    best = 0.0
-    for per_sm, block, warps in READ_SHAPES:
-        grid = sms * per_sm
-        out = torch.empty(grid * block, dtype=torch.int32, device="cuda")
-        ms = triton.testing.do_bench(lambda: read_all[(grid,)](x, out, n, BLOCK=block, num_warps=warps), warmup=50,
-                                     rep=300, return_mode="median")
-        best = max(best, n * 4 / (ms * 1e-3))
+
+def measure_read_bandwidth(gib: float = 4.0) -> float:
+    """Bytes per second of a streaming read over a buffer >> L2: the best of READ_SHAPES."""
+    x = torch.randint(-100, 100, (int(gib * (1 << 30)) // 4,), dtype=torch.int32, device="cuda")
+    best = max(streaming_read_rate(x, shape) for shape in READ_SHAPES)
     del x
     return best
 
@@ -218,8 +235,19 @@ def trace_kernel_durations(graph, flush, reps: int, flush_mode: str = "read"):
     return step_kernel_durations([(e.name, e.time_range.start, e.time_range.end) for e in events])
 
 
+def page_permutation(num_pages: int, order: str, device="cpu") -> torch.Tensor:
+    """The pool pages the block tables hand out, in order: a random permutation (an engine's cache after a while,
+    the default) or the pages in order (`--page-order in-order`: the KV as one stream, which the decode reads 2-3%
+    faster at 1M tokens, docs/performance.md "The floor's read bandwidth")."""
+    if order == "random":
+        return torch.randperm(num_pages, device=device).int()
+    if order == "in-order":
+        return torch.arange(num_pages, device=device, dtype=torch.int32)
+    raise ValueError(f"page order must be 'random' or 'in-order', got {order!r}")
+
+
 def run_case(case: Case, bandwidth: float, fp8_flops: float, reps: int, check: bool, kernel_times: bool = False,
-             flush_mode: str = "read", kv_pool: Optional[torch.Tensor] = None):
+             flush_mode: str = "read", kv_pool: Optional[torch.Tensor] = None, page_order: str = "random"):
     from mla_backend import DecodeWorkspace, SplitPlan, mla_decode, mla_decode_reference, plan_splits
     from mla_backend.planner import default_num_ctas
 
@@ -233,7 +261,7 @@ def run_case(case: Case, bandwidth: float, fp8_flops: float, reps: int, check: b
     kv = kv.view(torch.float8_e4m3fn)
     max_pages = max(pages_per)
     block_table = torch.zeros(batch, max_pages, dtype=torch.int32, device="cuda")
-    perm = torch.randperm(num_pages - 1, device="cuda").int()
+    perm = page_permutation(num_pages - 1, page_order, "cuda")
     used = 0
     for b, n in enumerate(pages_per):
         block_table[b, :n] = perm[used:used + n]
@@ -339,6 +367,9 @@ def main(argv=None) -> int:
     parser.add_argument("--kv-alloc", choices=("pool", "per-case"), default="pool",
                         help="one KV pool allocated at the start, as an engine does (default), or an allocation "
                              "per case after the previous case's memory was freed")
+    parser.add_argument("--page-order", choices=("random", "in-order"), default="random",
+                        help="the pages the block tables point at: a random permutation of the pool (default) or "
+                             "the pool's pages in order")
     parser.add_argument("--out-dir", default=os.environ.get("OUT", "bench-results"))
     args = parser.parse_args(argv)
     if args.p_planes is not None:
@@ -363,10 +394,12 @@ def main(argv=None) -> int:
 
     print(f"{torch.cuda.get_device_name(0)}: read bandwidth {bandwidth / 1e12:.2f} TB/s, "
           f"FP8 GEMM {fp8 / 1e12:.0f} TFLOP/s, P in {default_p_planes(12, 8)} e4m3 plane(s) above 16 query rows, "
-          f"L2 flush by {args.l2_flush}, KV {'one pool' if kv_pool is not None else 'allocated per case'}")
+          f"L2 flush by {args.l2_flush}, KV {'one pool' if kv_pool is not None else 'allocated per case'}, "
+          f"pages {args.page_order}")
     for case in cases:
         t0 = time.perf_counter()
-        run_case(case, bandwidth, fp8, args.reps, args.check, args.kernel_times, args.l2_flush, kv_pool)
+        run_case(case, bandwidth, fp8, args.reps, args.check, args.kernel_times, args.l2_flush, kv_pool,
+                 args.page_order)
         r = case.results
         kernels = "".join(f"  {kind} kernel {r[kind + '_kernel_us']:.1f} us" for kind in KERNEL_NAMES
                           if kind + "_kernel_us" in r)
