@@ -48,4 +48,4 @@ def test_pdl_is_part_of_every_compile_key(monkeypatch):
         combine_sm90.compile_combine_sm90(12, 1)
     assert keys["0"] != keys["1"] and keys["0"][-1] is False and keys["1"][-1] is True
     assert {k[-1] for k in plan_splits_sm90._compiled if k[:4] == (4, 8, 64, 5)} == {False, True}
-    assert {k[-1] for k in combine_sm90._compiled if k[:2] == (12, 1)} == {False, True}
+    assert {k[2] for k in combine_sm90._compiled if k[:2] == (12, 1)} == {False, True}  # (rows, dims, pdl, prefetch)
