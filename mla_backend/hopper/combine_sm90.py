@@ -239,7 +239,8 @@ def combine_dim_splits(batch: int, rows: int, num_sms: int) -> int:
 def combine_prefetch_all(batch: int, rows: int, num_sms: int) -> bool:
     """Whether every warp loads its first PREFETCH_ALL partials before the LSE reductions: while the grid (with
     DIM_SPLITS CTAs per row) is at most one CTA per SM, the small batches whose requests have the most splits.
-    H200, steps: H12 q_len 1 128K x B1 34.1-34.5 -> 32.3 us, 1M x B1 155.0-155.2 -> 153.4."""
+    H200, steps in alternating runs: H12 q_len 1 128K x B1 34.1-34.5 -> 31.9-32.3 us, 1M x B1 155.0-158.6 ->
+    153.4-156.5."""
     return batch * rows * DIM_SPLITS <= num_sms
 
 
