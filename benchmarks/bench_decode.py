@@ -246,9 +246,39 @@ def page_permutation(num_pages: int, order: str, device="cpu") -> torch.Tensor:
     raise ValueError(f"page order must be 'random' or 'in-order', got {order!r}")
 
 
-def run_case(case: Case, bandwidth: float, fp8_flops: float, reps: int, check: bool, kernel_times: bool = False,
-             flush_mode: str = "read", kv_pool: Optional[torch.Tensor] = None, page_order: str = "random"):
-    from mla_backend import DecodeWorkspace, SplitPlan, mla_decode, mla_decode_reference, plan_splits
+@dataclass
+class CaseInputs:
+    """One case's tensors on the GPU: its inputs, outputs, plan and workspace (`case_inputs`)."""
+    q: torch.Tensor
+    kv: torch.Tensor
+    block_table: torch.Tensor
+    seq_lens: torch.Tensor
+    q_scale: torch.Tensor
+    k_scale: torch.Tensor
+    out: torch.Tensor
+    lse: torch.Tensor
+    plan: object
+    ws: object
+    softmax_scale: float
+
+    def plan_step(self, case: Case):
+        from mla_backend import plan_splits
+
+        plan_splits(self.seq_lens, q_len=case.q_len, num_heads=case.heads, page_size=case.page_size, out=self.plan)
+
+    def decode_step(self):
+        """The decode and the combine (`mla_decode` with the plan as it stands)."""
+        from mla_backend import mla_decode
+
+        mla_decode(self.q, self.kv, self.block_table, self.seq_lens, softmax_scale=self.softmax_scale,
+                   q_scale=self.q_scale, k_scale=self.k_scale, out=self.out, lse=self.lse, plan=self.plan,
+                   workspace=self.ws)
+
+
+def case_inputs(case: Case, kv_pool: Optional[torch.Tensor] = None, page_order: str = "random") -> CaseInputs:
+    """Random FP8 q and KV for a case (seed 0), its block tables over the pool's pages in `page_order`, and an
+    empty plan and workspace of the bench's default shape."""
+    from mla_backend import DecodeWorkspace, SplitPlan
     from mla_backend.planner import default_num_ctas
 
     torch.manual_seed(0)
@@ -268,19 +298,49 @@ def run_case(case: Case, bandwidth: float, fp8_flops: float, reps: int, check: b
         used += n
     seq_lens = torch.tensor(case.lengths, dtype=torch.int32, device="cuda")
     q = torch.randn(batch, case.q_len, case.heads, KV_DIM, device="cuda").to(torch.float8_e4m3fn)
-    q_scale = torch.tensor([0.05], device="cuda")
-    k_scale = torch.tensor([0.05], device="cuda")
     out = torch.empty(batch, case.q_len, case.heads, LATENT_DIM, dtype=torch.bfloat16, device="cuda")
     lse = torch.empty(batch, case.q_len, case.heads, dtype=torch.float32, device="cuda")
     overhead = {} if case.segment_overhead is None else {"segment_overhead": case.segment_overhead}
     plan = SplitPlan.empty(batch, default_num_ctas("cuda", case.heads, case.q_len), device="cuda", **overhead)
     ws = DecodeWorkspace.for_plan(plan, case.q_len, case.heads)
-    scale = 1.0 / (KV_DIM ** 0.5)
+    return CaseInputs(q, kv, block_table, seq_lens, torch.tensor([0.05], device="cuda"),
+                      torch.tensor([0.05], device="cuda"), out, lse, plan, ws, 1.0 / (KV_DIM ** 0.5))
+
+
+def capture(*fns) -> "torch.cuda.CUDAGraph":
+    """A CUDA graph of fns called in order."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in fns:
+            fn()
+    return graph
+
+
+def time_replay(graph, flush: torch.Tensor, flush_mode: str = "read", spin: bool = True) -> float:
+    """Seconds of one replay of `graph` by CUDA events, after the L2 flush and (spin) the spin kernel that keeps
+    the GPU busy while the host enqueues the start event, the launch and the end event (run_case)."""
+    flush_l2(flush, flush_mode)
+    if spin:
+        torch.cuda._sleep(SPIN_CYCLES)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e-3
+
+
+def run_case(case: Case, bandwidth: float, fp8_flops: float, reps: int, check: bool, kernel_times: bool = False,
+             flush_mode: str = "read", kv_pool: Optional[torch.Tensor] = None, page_order: str = "random"):
+    from mla_backend import mla_decode_reference
+
+    inp = case_inputs(case, kv_pool, page_order)
+    q, kv, block_table, seq_lens, plan, ws = inp.q, inp.kv, inp.block_table, inp.seq_lens, inp.plan, inp.ws
+    q_scale, k_scale, out, lse, scale = inp.q_scale, inp.k_scale, inp.out, inp.lse, inp.softmax_scale
 
     def step():
-        plan_splits(seq_lens, q_len=case.q_len, num_heads=case.heads, page_size=page, out=plan)
-        mla_decode(q, kv, block_table, seq_lens, softmax_scale=scale, q_scale=q_scale, k_scale=k_scale,
-                   out=out, lse=lse, plan=plan, workspace=ws)
+        inp.plan_step(case)
+        inp.decode_step()
 
     step()  # compile and warm up outside the graph
     torch.cuda.synchronize()
@@ -289,9 +349,7 @@ def run_case(case: Case, bandwidth: float, fp8_flops: float, reps: int, check: b
                                                 q_scale=q_scale, k_scale=k_scale)
         err = ((out.float() - ref_out.float()).norm() / ref_out.float().norm()).item()
         case.results["rel_err"] = err
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph = capture(step)
     flush = torch.zeros(L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
     # Each timed replay follows the flush and a spin kernel (no memory traffic) that keeps the GPU busy while the
     # host enqueues the start event, the graph launch and the end event. Without it the events also caught GPU
@@ -301,16 +359,8 @@ def run_case(case: Case, bandwidth: float, fp8_flops: float, reps: int, check: b
     # Both are recorded: time_us (spin first, the table) and exposed_us (the old timing).
     times, exposed = [], []
     for rep in range(2 * reps):
-        flush_l2(flush, flush_mode)
         spin = rep % 2 == 0
-        if spin:
-            torch.cuda._sleep(SPIN_CYCLES)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        (times if spin else exposed).append(start.elapsed_time(end) * 1e-3)
+        (times if spin else exposed).append(time_replay(graph, flush, flush_mode, spin))
     if kernel_times:
         for kind, us in trace_kernel_durations(graph, flush, reps, flush_mode).items():
             case.results[f"{kind}_kernel_us"] = us
@@ -319,16 +369,11 @@ def run_case(case: Case, bandwidth: float, fp8_flops: float, reps: int, check: b
     # gap between graph launches), not the host's launch rate.
     from mla_backend.hopper.combine_sm90 import run_combine_sm90
 
-    def plan_only():
-        plan_splits(seq_lens, q_len=case.q_len, num_heads=case.heads, page_size=page, out=plan)
-
     def combine_only():
         run_combine_sm90(plan, ws.partial_out, ws.partial_lse, out, lse, torch.cuda.current_stream())
 
-    for key, fn in (("planner_us", plan_only), ("combine_us", combine_only)):
-        part = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(part):
-            fn()
+    for key, fn in (("planner_us", lambda: inp.plan_step(case)), ("combine_us", combine_only)):
+        part = capture(fn)
         part.replay()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda._sleep(SPIN_CYCLES)
@@ -344,7 +389,7 @@ def run_case(case: Case, bandwidth: float, fp8_flops: float, reps: int, check: b
     case.results.update(time_us=t * 1e6, floor_us=floor * 1e6, ratio=t / floor, kv_mb=bytes_moved / 1e6,
                         bound="memory" if bytes_moved / bandwidth >= flops / fp8_flops else "fp8 compute",
                         spread=(max(times) - min(times)) / t, exposed_us=statistics.median(exposed) * 1e6)
-    del kv, graph, flush
+    del kv, inp, graph, flush
     if kv_pool is None:
         torch.cuda.empty_cache()  # the per-case allocations go back to the driver (the old bench's behaviour)
 

@@ -1,0 +1,121 @@
+"""What each piece of a decode step costs inside the step (H200: `python benchmarks/bench_step_parts.py`).
+
+The bench (`python -m mla_backend bench`) times the whole step (one CUDA graph: the planner, the decode, the
+combine) and the planner and the combine each alone. Alone they are not what they add to a step: with
+programmatic dependent launch a kernel overlaps the one before it, and a graph of one kernel also pays the
+graph's own launch. Here each case is captured five ways and timed like the bench (L2 emptied by reading, a
+spin kernel first, median of --reps), in interleaved rounds:
+
+- step: planner, decode, combine (the bench's step);
+- no combine: planner and decode;
+- no planner: decode and combine, the plan computed before the capture;
+- decode: the decode alone;
+- empty graph: one kernel that returns at once (the cost of replaying a graph at all).
+
+and reported as what each piece adds (`part_costs`): the planner = step - no planner, the combine = step - no
+combine, the decode's own time over the floor = decode - empty graph - floor (the bench's floor). Without the combine the split
+requests' outputs are not merged, which does not change the decode's work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from bench_decode import (L2_FLUSH_BYTES, Case, capture, case_bytes_and_flops, case_inputs, case_kv_bytes,  # noqa: E402
+                          measure_fp8_flops, measure_read_bandwidth, time_replay)
+
+VARIANTS = ("step", "no combine", "no planner", "decode", "empty graph")
+
+
+def default_cases():
+    return [Case("H12 q1 128K x B1", [131072]), Case("H12 q1 128K x B4", [131072] * 4),
+            Case("H12 q1 128K x B8", [131072] * 8), Case("H12 q1 128K x B16", [131072] * 16),
+            Case("H12 q1 1M x B1", [1 << 20]), Case("H12 q1 1M x B16", [1 << 20] * 16),
+            Case("H12 q1 1M + 15 x 4K", [1 << 20] + [4096] * 15),
+            Case("H12 q1 128K + 63 x 2K", [131072] + [2048] * 63), Case("H12 q1 8K x B64", [8192] * 64),
+            Case("H12 q8 128K x B4", [131072] * 4, q_len=8)]
+
+
+def part_costs(medians: dict, floor_us: float) -> dict:
+    """What each piece adds to the step (us), from the median time of each variant (us)."""
+    return {
+        "planner": medians["step"] - medians["no planner"],
+        "combine": medians["step"] - medians["no combine"],
+        "graph launch": medians["empty graph"],
+        "decode over floor": medians["decode"] - medians["empty graph"] - floor_us,
+    }
+
+
+def run_parts(case: Case, reps: int, kv_pool) -> dict:
+    """Median us of each variant of the case's step (VARIANTS), timed in interleaved rounds."""
+    import torch
+
+    from mla_backend.hopper.combine_sm90 import run_combine_sm90
+    from mla_backend.hopper.decode_sm90 import run_decode_sm90
+
+    inp = case_inputs(case, kv_pool)
+
+    def plan():
+        inp.plan_step(case)
+
+    def decode():
+        run_decode_sm90(inp.q, inp.kv, inp.block_table, inp.seq_lens, inp.softmax_scale, inp.q_scale, inp.k_scale,
+                        inp.plan, inp.out, inp.lse, inp.ws.partial_out, inp.ws.partial_lse,
+                        stream=torch.cuda.current_stream())
+
+    def combine():
+        run_combine_sm90(inp.plan, inp.ws.partial_out, inp.ws.partial_lse, inp.out, inp.lse,
+                         torch.cuda.current_stream())
+
+    pieces = {"step": (plan, decode, combine), "no combine": (plan, decode), "no planner": (decode, combine),
+              "decode": (decode,), "empty graph": (lambda: torch.cuda._sleep(1),)}
+    for fn in (plan, decode, combine):
+        fn()  # compile and warm up outside the graphs; the plan stays as computed here for "no planner"
+    torch.cuda.synchronize()
+    graphs = {name: capture(*pieces[name]) for name in VARIANTS}
+    flush = torch.zeros(L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
+    times = {name: [] for name in VARIANTS}
+    for _ in range(reps):
+        for name in VARIANTS:
+            times[name].append(time_replay(graphs[name], flush) * 1e6)
+    del graphs, flush
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--only", default="", help="cases whose name contains this text ('a|b': either)")
+    args = parser.parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        print("bench_step_parts needs a CUDA GPU (Hopper)", file=sys.stderr)
+        return 2
+    cases = [c for c in default_cases() if any(part in c.name for part in args.only.split("|"))]
+    kv_pool = torch.empty(max(case_kv_bytes(c) for c in cases), dtype=torch.uint8, device="cuda")
+    bandwidth = measure_read_bandwidth()
+    fp8 = measure_fp8_flops()
+    print(f"{torch.cuda.get_device_name(0)}: read bandwidth {bandwidth / 1e12:.2f} TB/s, FP8 GEMM "
+          f"{fp8 / 1e12:.0f} TFLOP/s; median of {args.reps}")
+    print("| case | floor (us) | " + " | ".join(f"{v} (us)" for v in VARIANTS)
+          + " | planner adds | combine adds | decode over floor |")
+    print("| --- " * (5 + len(VARIANTS)) + "|")
+    for case in cases:
+        bytes_moved, flops = case_bytes_and_flops(case)
+        floor = max(bytes_moved / bandwidth, flops / fp8) * 1e6  # the bench's floor
+        medians = run_parts(case, args.reps, kv_pool)
+        costs = part_costs(medians, floor)
+        print(f"| {case.name} | {floor:.1f} | " + " | ".join(f"{medians[v]:.1f}" for v in VARIANTS)
+              + f" | {costs['planner']:.1f} | {costs['combine']:.1f} | {costs['decode over floor']:.1f} |",
+              flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
