@@ -13,8 +13,8 @@ spin kernel first, median of --reps), in interleaved rounds:
 - empty graph: one kernel that returns at once (the cost of replaying a graph at all).
 
 and reported as what each piece adds (`part_costs`): the planner = step - no planner, the combine = step - no
-combine, the decode's own time over the floor = decode - empty graph - floor (the bench's floor). Without the combine the split
-requests' outputs are not merged, which does not change the decode's work.
+combine, the decode's own time over the floor = decode - empty graph - floor (the bench's floor). Without the
+combine the split requests' outputs are not merged, which does not change the decode's work.
 """
 
 from __future__ import annotations
