@@ -805,21 +805,25 @@ class MLADecodeSM90:
                     cute.arch.barrier(barrier_id=LOAD_BAR, number_of_threads=WGT)  # every copy of chunk j done
                     self._issue_s(acc_S, ring_addr, q_addr, j % NS, 0, KV_DIM // 64)
                     self._issue_s(acc_S2, ring_addr, q_addr, j % NS, KV_DIM // 64, KV_DIM // 64)
+                    if cutlass.const_expr(self.rows == 64):
+                        # 64 rows: the next chunk's copies are issued while S^T(j) runs, and S_FULL(j) follows
+                        # them. H200, decode alone, one process, copies after S_FULL(j) -> under S^T(j): H128 q1
+                        # 1M x B4 1948.8 -> 1908.5 us, page 64 128K x B4 259.0 -> 252.8, H128 q2 256K x B2 476.2
+                        # -> 464.2, H16 q4 1M x B1 271.2 -> 267.1 (H64 q1 512K x B2 267.9 -> 275.4, min 255.2 ->
+                        # 252.4); steps H128 q1 1M x B4 1767.7 / 1797.0 -> 1738.8 / 1739.9. With 32 and 48 rows it
+                        # was 1-5% slower (q8 1M x B1 412.4 -> 436.5): there S_FULL(j) waiting for the copies
+                        # delays the softmax.
+                        self._sw_copy_next(mKV, atom_cp_async, sRing, zero16, next_a, next_b, tok_begin, j, n_chunks,
+                                           S_FREE, tw)
                     wgmma_wait(0)
                     for i in cutlass.range_constexpr(NA):
                         acc_S[i] = fence_operand(acc_S[i]) + fence_operand(acc_S2[i])
                     # buffer j % 2 last held S^T(j - 2), released (S_FREE) before this warpgroup loaded chunk j + 1
                     self._store_s(acc_S, sS[None, None, None, j % 2], 0, wl, lg, lt)
                     cute.arch.barrier_arrive(barrier_id=S_FULL + j % 2, number_of_threads=NT)
-                    # stage (j + 2) % 3 held chunk j - 1: wait until its V^T registers and S^T are read
-                    if j >= 1:
-                        cute.arch.barrier(barrier_id=S_FREE + (j - 1) % 2, number_of_threads=NT)
-                    if j + NS - 1 < n_chunks:
-                        tok_load = tok_begin + (j + NS - 1) * C
-                        self._load_chunk(mKV, atom_cp_async, sRing, zero16, next_a, tok_load, (j + NS - 1) % NS, tw)
-                        self._load_chunk(mKV, atom_cp_async, sRing, zero16, next_b, tok_load, (j + NS - 1) % NS, tw,
-                                         C // 2)
-                    cute.arch.cp_async_commit_group()
+                    if cutlass.const_expr(self.rows != 64):
+                        self._sw_copy_next(mKV, atom_cp_async, sRing, zero16, next_a, next_b, tok_begin, j, n_chunks,
+                                           S_FREE, tw)
                     next_a = after_a
                     next_b = after_b
                     after_a = self._lookup_page(mBT, b, tok_begin + (j + NS + 1) * C, tok_end, tw)
@@ -946,6 +950,23 @@ class MLADecodeSM90:
                          stage, tw)
         self._load_chunk(mKV, atom_cp_async, sRing, zero16, self._lookup_page(mBT, b, tok0 + C // 2, tok_end, tw),
                          tok0, stage, tw, C // 2)
+
+    @cute.jit
+    def _sw_copy_next(self, mKV: cute.Tensor, atom_cp_async: cute.CopyAtom, sRing: cute.Tensor, zero16: cute.Tensor,
+                      page_a: Int32, page_b: Int32, tok_begin: Int32, j: Int32, n_chunks: Int32, s_free: Int32,
+                      tw: Int32):
+        """kernel_sw's S^T warpgroup in iteration j: copy chunk j + NS - 1 (its two halves on pages page_a and
+        page_b) into the stage that held chunk j - 1, once S_FREE(j - 1) says that chunk's V^T registers and S^T
+        are read, and commit the copies as one group (an empty one past the segment's end)."""
+        C = self.chunk
+        NS = self.num_stages
+        if j >= 1:
+            cute.arch.barrier(barrier_id=s_free + (j - 1) % 2, number_of_threads=self.num_threads)
+        if j + NS - 1 < n_chunks:
+            tok_load = tok_begin + (j + NS - 1) * C
+            self._load_chunk(mKV, atom_cp_async, sRing, zero16, page_a, tok_load, (j + NS - 1) % NS, tw)
+            self._load_chunk(mKV, atom_cp_async, sRing, zero16, page_b, tok_load, (j + NS - 1) % NS, tw, C // 2)
+        cute.arch.cp_async_commit_group()
 
     # ------------------------------------------------------------------------------------------------
     @cute.jit
