@@ -84,7 +84,8 @@ def instrument(src: str) -> str:
         raise ValueError("timeline anchor not found once in kernel_sw: the CTA's first request / wg == 2 branch")
     body = body.replace(_BASE_ANCHOR, _BASE_ANCHOR.split("\n")[0] + "\n" + _BASE + "        if wg == 2:\n")
     lines = body.split("\n")
-    for marks, who, it, slot in ((S_MARKS, "tw == 0", "j", "{k}"), (P_MARKS, "tidx % 128 == 0", "ci", "8 + 8 * wg + {k}")):
+    roles = ((S_MARKS, "tw == 0", "j", "{k}"), (P_MARKS, "tidx % 128 == 0", "ci", "8 + 8 * wg + {k}"))
+    for marks, who, it, slot in roles:
         for text, k, before, *first in marks:
             hits = [i for i, line in enumerate(lines) if text in line]
             if not hits:
