@@ -95,10 +95,8 @@ def instrument(src: str) -> str:
                 while first and top > 0 and first[0] not in lines[top]:
                     top -= 1
                 indent = lines[top][:len(lines[top]) - len(lines[top].lstrip())]
-                mark = _mark(indent, who, it, slot.format(k=k)).rstrip("\n").split("\n")
-                lines[i:i] = mark if before else []
-                if not before:
-                    lines[i + 1:i + 1] = mark
+                at = i if before else i + 1
+                lines[at:at] = _mark(indent, who, it, slot.format(k=k)).rstrip("\n").split("\n")
     body = "\n".join(lines)
     anchor = "\nKV_DIM = 576\n"
     if head.count(anchor) != 1:
@@ -111,7 +109,7 @@ def phase_medians(stamps, base: int, events, first: int = 4):
     """Median cycles between consecutive events of one warpgroup, in the order they happened: {(from, to):
     cycles} over chunks first .. len(stamps) - 2, the last interval to the next chunk's first event; plus
     "period", the median chunk time. stamps: [chunks][TL_SLOTS] ints of a 32-bit clock that may wrap; an
-    event with stamp 0 (not reached, e.g. no S_FREE wait in chunk 0) is left out of its chunk."""
+    event with stamp 0 (not reached in that chunk) is left out of its chunk."""
     spans, periods = {}, []
     for j in range(first, len(stamps) - 1):
         t0 = stamps[j][base]
