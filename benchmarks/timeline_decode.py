@@ -75,10 +75,15 @@ def _mark(indent: str, who: str, it: str, slot: str) -> str:
             f"{indent}    _tl_store(tl_base + cutlass.Int64(({it} * {TL_SLOTS} + {slot}) * 4), _tl_clock())\n")
 
 
+def kernel_sw_span(src: str):
+    """(start, end) of kernel_sw's source in the module's source: the anchors are looked up there only."""
+    start = src.index("    def kernel_sw(")
+    return start, src.index("    @cute.jit", start)
+
+
 def instrument(src: str) -> str:
     """The kernel source with the stamps inserted; raises if an anchor is missing from kernel_sw."""
-    start = src.index("    def kernel_sw(")
-    end = src.index("    @cute.jit", start)
+    start, end = kernel_sw_span(src)
     head, body, tail = src[:start], src[start:end], src[end:]
     if body.count(_BASE_ANCHOR) != 1:
         raise ValueError("timeline anchor not found once in kernel_sw: the CTA's first request / wg == 2 branch")

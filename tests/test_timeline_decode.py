@@ -23,8 +23,9 @@ def test_every_anchor_gets_a_stamp():
     source = _source()
     stamped = tl.instrument(source)
     # one stamp per anchor occurrence (the S_FREE wait and the copies exist once per copy order), two lines each
-    hits = sum(sum(text in line for line in source.split("    def kernel_sw(")[1].split("    @cute.jit")[0]
-                   .split("\n")) for text, *_ in tl.S_MARKS + tl.P_MARKS)
+    start, end = tl.kernel_sw_span(source)
+    body = source[start:end].split("\n")
+    hits = sum(sum(text in line for line in body) for text, *_ in tl.S_MARKS + tl.P_MARKS)
     assert stamped.count("_tl_store(tl_base") == hits
     assert len(stamped.splitlines()) > len(source.splitlines()) + 2 * hits
 
