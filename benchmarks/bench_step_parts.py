@@ -10,11 +10,15 @@ spin kernel first, median of --reps), in interleaved rounds:
 - no combine: planner and decode;
 - no planner: decode and combine, the plan computed before the capture;
 - decode: the decode alone;
-- empty graph: one kernel that returns at once (the cost of replaying a graph at all).
+- empty graph: one kernel that returns at once (the cost of replaying a graph at all);
+- KV read alone: the bench's streaming-read kernel over as many contiguous bytes as the case's KV tokens, the
+  best of its READ_SHAPES (what any one kernel that reads those bytes takes in a graph: its launch, the first
+  bytes' latency and the last wave's tail, which the floor, a long read's rate, leaves out);
 
 and reported as what each piece adds (`part_costs`): the planner = step - no planner, the combine = step - no
-combine, the decode's own time over the floor = decode - empty graph - floor (the bench's floor). Without the
-combine the split requests' outputs are not merged, which does not change the decode's work.
+combine, the decode's own time over the floor = decode - empty graph - floor (the bench's floor), and over the
+plain read = decode - KV read alone. Without the combine the split requests' outputs are not merged, which does
+not change the decode's work.
 """
 
 from __future__ import annotations
@@ -26,10 +30,11 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_decode import (L2_FLUSH_BYTES, Case, capture, case_bytes_and_flops, case_inputs, case_kv_bytes,  # noqa: E402
-                          measure_fp8_flops, measure_read_bandwidth, time_replay)
+from bench_decode import (KV_DIM, L2_FLUSH_BYTES, READ_SHAPES, Case, _read_kernel, capture,  # noqa: E402
+                          case_bytes_and_flops, case_inputs, case_kv_bytes, measure_fp8_flops, measure_read_bandwidth,
+                          time_replay)
 
-VARIANTS = ("step", "no combine", "no planner", "decode", "empty graph")
+VARIANTS = ("step", "no combine", "no planner", "decode", "empty graph", "KV read alone")
 
 
 def default_cases():
@@ -48,7 +53,24 @@ def part_costs(medians: dict, floor_us: float) -> dict:
         "combine": medians["step"] - medians["no combine"],
         "graph launch": medians["empty graph"],
         "decode over floor": medians["decode"] - medians["empty graph"] - floor_us,
+        "decode over read": medians["decode"] - medians["KV read alone"],
     }
+
+
+def read_alone_pieces(kv_pool, num_bytes: int) -> dict:
+    """One graph piece per READ_SHAPES: the streaming-read kernel over the first num_bytes of kv_pool."""
+    import torch
+
+    x = kv_pool[:num_bytes // 4 * 4].view(torch.int32)
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    read_all = _read_kernel()
+    pieces = {}
+    for per_sm, block, warps in READ_SHAPES:
+        out = torch.empty(sms * per_sm * block, dtype=torch.int32, device=x.device)
+        pieces[f"read {per_sm} x {block} x {warps}"] = (
+            lambda out=out, per_sm=per_sm, block=block, warps=warps:
+            read_all[(sms * per_sm,)](x, out, x.numel(), BLOCK=block, num_warps=warps),)
+    return pieces
 
 
 def run_parts(case: Case, reps: int, kv_pool) -> dict:
@@ -74,17 +96,23 @@ def run_parts(case: Case, reps: int, kv_pool) -> dict:
 
     pieces = {"step": (plan, decode, combine), "no combine": (plan, decode), "no planner": (decode, combine),
               "decode": (decode,), "empty graph": (lambda: torch.cuda._sleep(1),)}
-    for fn in (plan, decode, combine):
-        fn()  # compile and warm up outside the graphs; the plan stays as computed here for "no planner"
+    reads = read_alone_pieces(kv_pool, sum(case.lengths) * KV_DIM)
+    pieces.update(reads)
+    for fns in pieces.values():
+        for fn in fns:
+            fn()  # compile and warm up outside the graphs; the plan stays as computed here for "no planner"
+    plan()
     torch.cuda.synchronize()
-    graphs = {name: capture(*pieces[name]) for name in VARIANTS}
+    graphs = {name: capture(*fns) for name, fns in pieces.items()}
     flush = torch.zeros(L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
-    times = {name: [] for name in VARIANTS}
+    times = {name: [] for name in graphs}
     for _ in range(reps):
-        for name in VARIANTS:
+        for name in graphs:
             times[name].append(time_replay(graphs[name], flush) * 1e6)
     del graphs, flush
-    return {name: statistics.median(values) for name, values in times.items()}
+    medians = {name: statistics.median(values) for name, values in times.items()}
+    medians["KV read alone"] = min(medians.pop(name) for name in reads)  # the best shape at this size
+    return medians
 
 
 def main(argv=None) -> int:
@@ -104,16 +132,16 @@ def main(argv=None) -> int:
     print(f"{torch.cuda.get_device_name(0)}: read bandwidth {bandwidth / 1e12:.2f} TB/s, FP8 GEMM "
           f"{fp8 / 1e12:.0f} TFLOP/s; median of {args.reps}")
     print("| case | floor (us) | " + " | ".join(f"{v} (us)" for v in VARIANTS)
-          + " | planner adds | combine adds | decode over floor |")
-    print("| --- " * (5 + len(VARIANTS)) + "|")
+          + " | planner adds | combine adds | decode over floor | decode over read | read alone / floor |")
+    print("| --- " * (7 + len(VARIANTS)) + "|")
     for case in cases:
         bytes_moved, flops = case_bytes_and_flops(case)
         floor = max(bytes_moved / bandwidth, flops / fp8) * 1e6  # the bench's floor
         medians = run_parts(case, args.reps, kv_pool)
         costs = part_costs(medians, floor)
         print(f"| {case.name} | {floor:.1f} | " + " | ".join(f"{medians[v]:.1f}" for v in VARIANTS)
-              + f" | {costs['planner']:.1f} | {costs['combine']:.1f} | {costs['decode over floor']:.1f} |",
-              flush=True)
+              + f" | {costs['planner']:.1f} | {costs['combine']:.1f} | {costs['decode over floor']:.1f}"
+              f" | {costs['decode over read']:.1f} | {medians['KV read alone'] / floor:.2f} |", flush=True)
     return 0
 
 
