@@ -9,7 +9,9 @@ block) into a spare workspace slot, and run like bench_decode_kernel.py's varian
 so differences within a CTA are exact cycles; the stores add a few instructions per chunk. Printed per case:
 the median chunk period and, per warpgroup, the median cycles between its consecutive events (in the order they
 happened, which differs between copy orders: `kernel_sw`'s 64-row blocks issue the copies under S^T). The anchors are
-checked against the current source (tests/test_timeline_decode.py), like benchmarks/ablate_decode.py's.
+checked against the current source (tests/test_timeline_decode.py), like benchmarks/ablate_decode.py's. 32-row
+blocks run the softmax warpgroups' chunks in `_sw_chunk` (P.V issued inside the next softmax), which carries no
+stamps: for them only the S^T warpgroup's events are measured.
 """
 
 from __future__ import annotations

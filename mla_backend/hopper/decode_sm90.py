@@ -93,6 +93,12 @@ was no faster: one warpgroup's softmax chain became the bottleneck.) Warpgroup 2
 a chunk two iterations before its copies: read right before them, their L2 round trip sat on its chain once per
 chunk and the softmax warps waited for S_FULL (ncu: 10.5% of stall samples); ahead, decode alone: q8 1M x B1
 443.7 -> 417.8 us, q8 128K x B4 228.8 -> 213.9, H16 q2 1M x B2 408.0 -> 392.2, H12 q4 1M x B1 245.7 -> 230.2.
+With 32 rows the softmax warpgroups issue P.V(ci - 1) a dim tile at a time between the words of the softmax of
+chunk ci instead of in one block after the rescale (`_sw_chunk`): wgmmas issue only as fast as the tensor pipe
+takes them, so the block kept the warps from the next softmax for as long as P.V ran (timeline: 770-1000 cycles
+of a chunk; 300-400 with one P plane). H200, one process: decode alone H16 q2 1M x B2 401.8 -> 382.2 us, 1M x B4
+729.9 -> 708.7; steps H16 q2 1M x B4 681.4 / 682.6 -> 656.8 / 656.5 (1.29 -> 1.24 of the floor). 48 and 64
+rows measured 4% slower that way and keep the block.
 64-row blocks (H128, H16 q_len 4) run it too, with setmaxnreg 200 / 104 (`sw_register_budgets`): the S^T
 warpgroup's 64 accumulators and the P.V warpgroups' 128 O^T registers fit no other split of 3 x 168 without
 spills or serialised wgmmas. Decode alone against `kernel` (bench_decode_kernel, one process): H128 q1 page 64
@@ -246,6 +252,8 @@ class MLADecodeSM90:
         self.tpr = 1 << ((threads // self.rows).bit_length() - 1)
         self.softmax_threads = self.tpr * self.rows
         self.words_per_thread = (self.chunk // 4) // self.tpr  # P words (4 tokens) per softmax thread
+        # kernel_sw with 32 rows issues P.V(ci - 1) between the words of the softmax of chunk ci (see there)
+        self.pv_in_softmax = self.s_wg and self.rows == 32
         self.p_planes = default_p_planes(num_heads, q_len) if p_planes is None else int(p_planes)
         if self.p_planes not in (1, 2):
             raise ValueError(f"p_planes must be 1 (e4m3 P) or 2 (hi/lo e4m3 P), got {self.p_planes}")
@@ -839,6 +847,8 @@ class MLADecodeSM90:
             # ================================ softmax and P.V warpgroups ================================
             cute.arch.setmaxregister_increase(sw_register_budgets(ROWS)[0])
             acc_O = cute.make_rmem_tensor(cute.make_layout((4 * NA,)), Float32)
+            vt = cute.make_rmem_tensor(cute.make_layout((4 * 4 * (C // 32),)), Int32)  # V^T of the pending P.V
+            vals = cute.make_rmem_tensor(cute.make_layout((4 * self.words_per_thread,)), Float32)
             srow = tidx // TPR
             ssub = tidx % TPR
             srow_g = row0 + srow
@@ -854,23 +864,42 @@ class MLADecodeSM90:
                 acc_O.fill(0.0)
                 row_max = -Float32.inf
                 row_sum = Float32(0.0)
-                for ci in range(n_chunks):
-                    buf = ci % 2
-                    cute.arch.barrier(barrier_id=S_FULL + buf, number_of_threads=NT)
-                    if srow < ROWS:
-                        row_max, row_sum, alpha = self._softmax_chunk(
-                            sS[None, None, None, buf], sPw[None, None, None, buf], row_max, row_sum,
-                            tok_begin + ci * C, row_end, scale_log2, srow, ssub)
-                        if ssub == 0:
-                            sAlpha[srow, buf] = alpha
-                    wgmma_wait(0)  # P.V(ci - 1): its V^T registers may be reused
-                    for i in cutlass.range_constexpr(4 * NA):
-                        acc_O[i] = fence_operand(acc_O[i])
-                    a_regs = self._load_vt(ring_addr + (ci % NS) * (C * 128 * KV_BLOCKS), wg * 4, wl, lane)
-                    cute.arch.barrier_arrive(barrier_id=S_FREE + buf, number_of_threads=NT)
-                    cute.arch.barrier(barrier_id=PV_BAR, number_of_threads=NUM_THREADS)  # P(ci), alpha(ci)
-                    self._rescale_o(acc_O, sAlpha[None, buf], lt, False)
-                    self._issue_pv_regs(acc_O, a_regs, p_addr + buf * (2 * ROWS * 64), 0)
+                if cutlass.const_expr(self.pv_in_softmax):
+                    # 32 rows: P.V(ci - 1) is issued a dim tile at a time between the words of the softmax of chunk
+                    # ci. Its wgmmas issue only as fast as the tensor pipe takes them, so issued in one block after
+                    # the rescale they kept these warps from the next softmax for as long as they ran (timeline:
+                    # 770-1000 cycles of a 2400-3500-cycle chunk, 300-400 with one P plane). Chunk 0 has no P.V
+                    # before it: peeled, so that no wgmma is issued under a branch (ptxas then serialises them all,
+                    # C7520). 48 and 64 rows keep one block after the rescale (measured: 4% slower this way, 48
+                    # rows with warps 6 and 7 repeating a row so that all warps run the wgmmas).
+                    if n_chunks > 0:
+                        row_max, row_sum = self._sw_chunk(acc_O, vt, vals, sS, sPw, sAlpha, ring_addr, p_addr,
+                                                          Int32(0), tok_begin, row_end, scale_log2, row_max, row_sum,
+                                                          srow, ssub, wg, wl, lt, lane, False)
+                    for ci in range(1, n_chunks):
+                        row_max, row_sum = self._sw_chunk(acc_O, vt, vals, sS, sPw, sAlpha, ring_addr, p_addr, ci,
+                                                          tok_begin, row_end, scale_log2, row_max, row_sum, srow,
+                                                          ssub, wg, wl, lt, lane, True)
+                    if n_chunks > 0:
+                        self._issue_pv_part(acc_O, vt, p_addr + ((n_chunks - 1) % 2) * (2 * ROWS * 64), 0, 4, True)
+                else:
+                    for ci in range(n_chunks):
+                        buf = ci % 2
+                        cute.arch.barrier(barrier_id=S_FULL + buf, number_of_threads=NT)
+                        if srow < ROWS:
+                            row_max, row_sum, alpha = self._softmax_chunk(
+                                sS[None, None, None, buf], sPw[None, None, None, buf], row_max, row_sum,
+                                tok_begin + ci * C, row_end, scale_log2, srow, ssub)
+                            if ssub == 0:
+                                sAlpha[srow, buf] = alpha
+                        wgmma_wait(0)  # P.V(ci - 1): its V^T registers may be reused
+                        for i in cutlass.range_constexpr(4 * NA):
+                            acc_O[i] = fence_operand(acc_O[i])
+                        a_regs = self._load_vt(ring_addr + (ci % NS) * (C * 128 * KV_BLOCKS), wg * 4, wl, lane)
+                        cute.arch.barrier_arrive(barrier_id=S_FREE + buf, number_of_threads=NT)
+                        cute.arch.barrier(barrier_id=PV_BAR, number_of_threads=NUM_THREADS)  # P(ci), alpha(ci)
+                        self._rescale_o(acc_O, sAlpha[None, buf], lt, False)
+                        self._issue_pv_regs(acc_O, a_regs, p_addr + buf * (2 * ROWS * 64), 0)
                 wgmma_wait(0)
                 for i in cutlass.range_constexpr(4 * NA):
                     acc_O[i] = fence_operand(acc_O[i])
@@ -1064,18 +1093,69 @@ class MLADecodeSM90:
     @cute.jit
     def _issue_pv_regs(self, acc_O: cute.Tensor, a_regs, p_addr: Int32, acc_tile0: cutlass.Constexpr):
         """Issue (and commit) the 16 P.V wgmmas on A registers from `_load_vt`."""
+        wgmma_fence()
+        self._pv_wgmmas(acc_O, lambda t, ks: a_regs[t * (self.chunk // 32) + ks], p_addr, acc_tile0, 0, 4)
+        wgmma_commit()
+
+    @cute.jit
+    def _pv_wgmmas(self, acc_O: cute.Tensor, a_of, p_addr: Int32, acc_tile0: cutlass.Constexpr,
+                   t0: cutlass.Constexpr, t1: cutlass.Constexpr):
+        """The P.V wgmmas of dim tiles [t0, t1) (2 k32 steps x the P planes each) into accumulator tiles
+        acc_tile0 + t; a_of(t, ks) gives the 4 A registers."""
         C = self.chunk
         ROWS = self.rows
         NA = ROWS // 2
-        wgmma_fence()
-        for t in cutlass.range_constexpr(4):
+        for t in cutlass.range_constexpr(t0, t1):
             at = acc_tile0 + t
             for ks in cutlass.range_constexpr(C // 32):
                 for plane in cutlass.range_constexpr(self.p_planes):
-                    d = wgmma_rs_e4m3(a_regs[t * (C // 32) + ks], p_addr + plane * (ROWS * 64) + ks * 2 * P_LBO,
+                    d = wgmma_rs_e4m3(a_of(t, ks), p_addr + plane * (ROWS * 64) + ks * 2 * P_LBO,
                                       P_LBO, P_SBO, [acc_O[at * NA + i] for i in range(NA)])
                     for i in cutlass.range_constexpr(NA):
                         acc_O[at * NA + i] = d[i]
+
+    @cute.jit
+    def _sw_chunk(self, acc_O: cute.Tensor, vt: cute.Tensor, vals: cute.Tensor, sS: cute.Tensor, sPw: cute.Tensor,
+                  sAlpha: cute.Tensor, ring_addr: Int32, p_addr: Int32, ci: Int32, tok_begin: Int32, row_end: Int32,
+                  scale_log2: Float32, row_max: Float32, row_sum: Float32, srow: Int32, ssub: Int32, wg: Int32,
+                  wl: Int32, lt: Int32, lane: Int32, pv_prev: cutlass.Constexpr):
+        """kernel_sw's softmax / P.V warpgroups on chunk ci: the softmax with P.V(ci - 1) issued inside it
+        (pv_prev), the V^T registers of ci into vt, the O^T rescale. Returns the running max and sum."""
+        C = self.chunk
+        NS = self.num_stages
+        ROWS = self.rows
+        NA = ROWS // 2
+        NT = self.num_threads
+        PV_BAR = 1
+        S_FULL = 2
+        S_FREE = 4
+        buf = ci % 2
+        p_prev = p_addr + (1 - buf) * (2 * ROWS * 64)
+        cute.arch.barrier(barrier_id=S_FULL + buf, number_of_threads=NT)
+        cmax = self._softmax_max(sS[None, None, None, buf], vals, tok_begin + ci * C, row_end, scale_log2, srow, ssub)
+        row_max, row_sum, alpha = self._softmax_exp(vals, cmax, sPw[None, None, None, buf], row_max, row_sum, srow,
+                                                    ssub, acc_O, vt, p_prev, pv_prev)
+        sAlpha[srow, buf] = alpha  # the row's TPR threads write the same value
+        wgmma_wait(0)  # P.V(ci - 1): O^T may be rescaled, its V^T registers reused
+        for i in cutlass.range_constexpr(4 * NA):
+            acc_O[i] = fence_operand(acc_O[i])
+        a_regs = self._load_vt(ring_addr + (ci % NS) * (C * 128 * KV_BLOCKS), wg * 4, wl, lane)
+        for t in cutlass.range_constexpr(len(a_regs)):
+            for k in cutlass.range_constexpr(4):
+                vt[4 * t + k] = a_regs[t][k]
+        cute.arch.barrier_arrive(barrier_id=S_FREE + buf, number_of_threads=NT)
+        cute.arch.barrier(barrier_id=PV_BAR, number_of_threads=NUM_THREADS)  # P(ci), alpha(ci)
+        self._rescale_o(acc_O, sAlpha[None, buf], lt, False)
+        return row_max, row_sum
+
+    @cute.jit
+    def _issue_pv_part(self, acc_O: cute.Tensor, vt: cute.Tensor, p_addr: Int32, t0: cutlass.Constexpr,
+                       t1: cutlass.Constexpr, fence: cutlass.Constexpr):
+        """Issue (and commit) the P.V wgmmas of dim tiles [t0, t1) on the V^T registers kept in vt."""
+        KS = self.chunk // 32
+        if cutlass.const_expr(fence):
+            wgmma_fence()
+        self._pv_wgmmas(acc_O, lambda t, ks: tuple(vt[4 * (t * KS + ks) + k] for k in range(4)), p_addr, 0, t0, t1)
         wgmma_commit()
 
     @cute.jit
@@ -1153,10 +1233,17 @@ class MLADecodeSM90:
         (the row's), this thread's share of the running sum (its tokens only: `_row_allreduce` at the end of a
         segment adds the shares) and the factor alpha that rescales the output accumulated so far. Fences P for
         the wgmma."""
+        vals = cute.make_rmem_tensor(cute.make_layout((4 * self.words_per_thread,)), Float32)
+        cmax = self._softmax_max(sS_chunk, vals, chunk_tok0, row_end, scale_log2, srow, ssub)
+        return self._softmax_exp(vals, cmax, sPw_buf, row_max, row_sum, srow, ssub, None, None, Int32(0), False)
+
+    @cute.jit
+    def _softmax_max(self, sS_chunk: cute.Tensor, vals: cute.Tensor, chunk_tok0: Int32, row_end: Int32,
+                     scale_log2: Float32, srow: Int32, ssub: Int32) -> Float32:
+        """First half of `_softmax_chunk`: this thread's scaled, masked S values into vals and the row's max."""
         TPR = self.tpr
         WPT = self.words_per_thread
         parts = cute.size(sS_chunk, mode=[2])
-        vals = cute.make_rmem_tensor(cute.make_layout((4 * WPT,)), Float32)
         cmax = -Float32.inf
         for i in cutlass.range_constexpr(WPT):
             w = ssub + TPR * i
@@ -1171,7 +1258,18 @@ class MLADecodeSM90:
                     s = -Float32.inf
                 vals[4 * i + j] = s
                 cmax = cute.arch.fmax(cmax, s)
-        cmax = self._row_allreduce(cmax, True)
+        return self._row_allreduce(cmax, True)
+
+    @cute.jit
+    def _softmax_exp(self, vals: cute.Tensor, cmax: Float32, sPw_buf: cute.Tensor, row_max: Float32,
+                     row_sum: Float32, srow: Int32, ssub: Int32, acc_O: cute.Tensor, vt: cute.Tensor, p_prev: Int32,
+                     pv_prev: cutlass.Constexpr):
+        """Second half of `_softmax_chunk`: P from vals and the row's chunk max; returns the new running max,
+        this thread's share of the running sum and alpha. With pv_prev, the 4 dim tiles of P.V(ci - 1) are issued
+        between its words (a tile before each of the first words), so that no issue waits long for the pipe."""
+        TPR = self.tpr
+        WPT = self.words_per_thread
+        tiles_per_word = max(1, 4 // WPT)
         new_max = cute.arch.fmax(row_max, cmax)
         use_max = new_max
         if new_max == -Float32.inf:
@@ -1179,6 +1277,8 @@ class MLADecodeSM90:
         alpha = cute.math.exp2(row_max - use_max, fastmath=True)
         csum = Float32(0.0)
         for i in cutlass.range_constexpr(WPT):
+            if cutlass.const_expr(pv_prev and i * tiles_per_word < 4):
+                self._issue_pv_part(acc_O, vt, p_prev, i * tiles_per_word, min(4, (i + 1) * tiles_per_word), i == 0)
             w = ssub + TPR * i
             pv = [cute.math.exp2(vals[4 * i + j] - use_max, fastmath=True) for j in range(4)]
             csum = csum + (pv[0] + pv[1]) + (pv[2] + pv[3])
