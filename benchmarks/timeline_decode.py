@@ -10,8 +10,8 @@ so differences within a CTA are exact cycles; the stores add a few instructions 
 the median chunk period and, per warpgroup, the median cycles between its consecutive events (in the order they
 happened, which differs between copy orders: `kernel_sw`'s 64-row blocks issue the copies under S^T). The anchors are
 checked against the current source (tests/test_timeline_decode.py), like benchmarks/ablate_decode.py's. 32-row
-blocks run the softmax warpgroups' chunks in `_sw_chunk` (P.V issued inside the next softmax), which carries no
-stamps: for them only the S^T warpgroup's events are measured.
+blocks run the softmax warpgroups' chunks in `_sw_chunk`, with P.V(ci - 1) issued inside the softmax of chunk ci:
+there the softmax warpgroups' stamps are the same but for "P.V issued", and "softmax done" includes that issue.
 """
 
 from __future__ import annotations
@@ -77,10 +77,32 @@ def _mark(indent: str, who: str, it: str, slot: str) -> str:
             f"{indent}    _tl_store(tl_base + cutlass.Int64(({it} * {TL_SLOTS} + {slot}) * 4), _tl_clock())\n")
 
 
-def kernel_sw_span(src: str):
-    """(start, end) of kernel_sw's source in the module's source: the anchors are looked up there only."""
-    start = src.index("    def kernel_sw(")
+# kernel_sw's 32-row softmax warpgroups run each chunk in _sw_chunk: the same stamps but "P.V issued" (its wgmmas
+# are issued inside the softmax), with the stamp base passed in by its callers
+CHUNK_MARKS = P_MARKS[:6]
+_CHUNK_DEF = "    def _sw_chunk(self, "
+_CHUNK_CALL = "self._sw_chunk("
+
+
+def kernel_sw_span(src: str, name: str = "kernel_sw"):
+    """(start, end) of method `name`'s source in the module's source (kernel_sw, or _sw_chunk): the anchors are
+    looked up there only."""
+    start = src.index(f"    def {name}(")
     return start, src.index("    @cute.jit", start)
+
+
+def _stamp(lines, marks, who: str, it: str, slot: str, name: str, required: bool = True):
+    for text, k, before, *first in marks:
+        hits = [i for i, line in enumerate(lines) if text in line]
+        if not hits and required:
+            raise ValueError(f"timeline anchor not in {name}: {text!r}")
+        for i in reversed(hits):
+            top = i
+            while first and top > 0 and first[0] not in lines[top]:
+                top -= 1
+            indent = lines[top][:len(lines[top]) - len(lines[top].lstrip())]
+            at = i if before else i + 1
+            lines[at:at] = _mark(indent, who, it, slot.format(k=k)).rstrip("\n").split("\n")
 
 
 def instrument(src: str) -> str:
@@ -91,20 +113,17 @@ def instrument(src: str) -> str:
         raise ValueError("timeline anchor not found once in kernel_sw: the CTA's first request / wg == 2 branch")
     body = body.replace(_BASE_ANCHOR, _BASE_ANCHOR.split("\n")[0] + "\n" + _BASE + "        if wg == 2:\n")
     lines = body.split("\n")
-    roles = ((S_MARKS, "tw == 0", "j", "{k}"), (P_MARKS, "tidx % 128 == 0", "ci", "8 + 8 * wg + {k}"))
-    for marks, who, it, slot in roles:
-        for text, k, before, *first in marks:
-            hits = [i for i, line in enumerate(lines) if text in line]
-            if not hits:
-                raise ValueError(f"timeline anchor not in kernel_sw: {text!r}")
-            for i in reversed(hits):
-                top = i
-                while first and top > 0 and first[0] not in lines[top]:
-                    top -= 1
-                indent = lines[top][:len(lines[top]) - len(lines[top].lstrip())]
-                at = i if before else i + 1
-                lines[at:at] = _mark(indent, who, it, slot.format(k=k)).rstrip("\n").split("\n")
-    body = "\n".join(lines)
+    _stamp(lines, S_MARKS, "tw == 0", "j", "{k}", "kernel_sw")
+    # where every row count runs its chunks in _sw_chunk, kernel_sw has no softmax loop of its own to stamp
+    _stamp(lines, P_MARKS, "tidx % 128 == 0", "ci", "8 + 8 * wg + {k}", "kernel_sw", _CHUNK_CALL not in body)
+    body = "\n".join(lines).replace(_CHUNK_CALL, _CHUNK_CALL + "tl_base, tl_on, tidx % 128 == 0, ")
+    if _CHUNK_CALL in body:
+        if _CHUNK_DEF not in tail:
+            raise ValueError("timeline anchor not found: kernel_sw calls _sw_chunk, whose definition moved")
+        c0, c1 = kernel_sw_span(tail, "_sw_chunk")
+        chunk = tail[c0:c1].replace(_CHUNK_DEF, _CHUNK_DEF + "tl_base, tl_on, tl_lead, ", 1).split("\n")
+        _stamp(chunk, CHUNK_MARKS, "tl_lead", "ci", "8 + 8 * wg + {k}", "_sw_chunk")
+        tail = tail[:c0] + "\n".join(chunk) + tail[c1:]
     anchor = "\nKV_DIM = 576\n"
     if head.count(anchor) != 1:
         raise ValueError("timeline anchor not found: KV_DIM")
@@ -141,6 +160,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--case", action="append", default=[], help='"heads q_len page kv_tokens batch" (repeatable)')
     p.add_argument("--reps", type=int, default=3, help="stamped launches per case (after warm-up)")
+    p.add_argument("--source", default="", help="a copy of decode_sm90.py to stamp instead of the installed one")
     args = p.parse_args(argv)
     import torch
 
@@ -148,7 +168,7 @@ def main(argv=None) -> int:
     import bench_decode_kernel as bk
     from mla_backend.hopper import decode_sm90
 
-    with open(decode_sm90.__file__) as f:
+    with open(args.source or decode_sm90.__file__) as f:
         src = instrument(f.read())
     with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as tmp:
         tmp.write(src)

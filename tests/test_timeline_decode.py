@@ -26,6 +26,9 @@ def test_every_anchor_gets_a_stamp():
     start, end = tl.kernel_sw_span(source)
     body = source[start:end].split("\n")
     hits = sum(sum(text in line for line in body) for text, *_ in tl.S_MARKS + tl.P_MARKS)
+    start, end = tl.kernel_sw_span(source, "_sw_chunk")
+    chunk = source[start:end].split("\n")
+    hits += sum(sum(text in line for line in chunk) for text, *_ in tl.CHUNK_MARKS)
     assert stamped.count("_tl_store(tl_base") == hits
     assert len(stamped.splitlines()) > len(source.splitlines()) + 2 * hits
 
@@ -36,7 +39,7 @@ def test_a_moved_anchor_is_an_error():
         tl.instrument(source)
 
 
-@pytest.mark.parametrize("heads,q_len", [(12, 8), (128, 1)])
+@pytest.mark.parametrize("heads,q_len", [(12, 8), (128, 1), (16, 2)])
 def test_the_stamped_kernel_compiles(tmp_path, heads, q_len):
     import bench_decode_kernel
 

@@ -1136,7 +1136,7 @@ class MLADecodeSM90:
         row_max, row_sum, alpha = self._softmax_exp(vals, cmax, sPw[None, None, None, buf], row_max, row_sum, srow,
                                                     ssub, acc_O, vt, p_prev, pv_prev)
         sAlpha[srow, buf] = alpha  # the row's TPR threads write the same value
-        wgmma_wait(0)  # P.V(ci - 1): O^T may be rescaled, its V^T registers reused
+        wgmma_wait(0)  # P.V(ci - 1): its V^T registers may be reused
         for i in cutlass.range_constexpr(4 * NA):
             acc_O[i] = fence_operand(acc_O[i])
         a_regs = self._load_vt(ring_addr + (ci % NS) * (C * 128 * KV_BLOCKS), wg * 4, wl, lane)
