@@ -24,15 +24,16 @@ _SOFTMAX = """                        row_max, row_sum, alpha = self._softmax_ch
 _PV = "                    self._issue_pv_regs(acc_O, a_regs, p_addr + pbuf * (2 * ROWS * 64), 0)  # waited next iteration"
 _S = "                        self._issue_s(acc_S, ring_addr, q_addr, (ci + 1) % NS, wg * KSTEPS, KSTEPS)"
 
-_SW_SOFTMAX = """                        row_max, row_sum, alpha = self._softmax_chunk(
-                            sS[None, None, None, buf], sPw[None, None, None, buf], row_max, row_sum,
-                            tok_begin + ci * C, row_end, scale_log2, srow, ssub)"""
+_SW_SOFTMAX = """                            row_max, row_sum, alpha = self._softmax_chunk(
+                                sS[None, None, None, buf], sPw[None, None, None, buf], row_max, row_sum,
+                                tok_begin + ci * C, row_end, scale_log2, srow, ssub)"""
 _SW_S = """                    self._issue_s(acc_S, ring_addr, q_addr, j % NS, 0, KV_DIM // 64)
                     self._issue_s(acc_S2, ring_addr, q_addr, j % NS, KV_DIM // 64, KV_DIM // 64)"""
 
 # name -> [(text, replacement)], each text occurring exactly once in decode_sm90.py. The plain names ablate the
 # two-warpgroup split schedule (`kernel`, CUTE_MLA_S_WARPGROUP=0), the sw_ names the S^T warpgroup schedule
-# (`kernel_sw`, the default for 32-64 rows); noload also empties the other schedules' copies.
+# (`kernel_sw`, the default for 32-64 rows; its softmax ablations reach 48 and 64 rows, 32 rows run `_sw_chunk`);
+# noload also empties the other schedules' copies.
 ABLATIONS = {
     "noload": [("        if page >= 0 and page < cute.size(mKV, mode=[3]):",
                 "        if page >= 0 and page < 0:  # ablation: no KV loads (zero fill)")],
@@ -49,11 +50,11 @@ ABLATIONS = {
                         self._store_s(acc_S, sS[None, None, None, (ci + 1) % SB], wg, wl, lg, lt)
                 wgmma_wait(0)""", """                    pass  # ablation: no S^T partial stores
                 wgmma_wait(0)""")],
-    "sw_nosoftmax": [(_SW_SOFTMAX, "                        alpha = Float32(1.0)  # ablation: no softmax")],
-    "sw_nopv": [("                    self._issue_pv_regs(acc_O, a_regs, p_addr + buf * (2 * ROWS * 64), 0)",
-                 "                    pass  # ablation: no P.V")],
-    "sw_norescale": [("                    self._rescale_o(acc_O, sAlpha[None, buf], lt, False)",
-                      "                    pass  # ablation: no O^T rescale")],
+    "sw_nosoftmax": [(_SW_SOFTMAX, "                            alpha = Float32(1.0)  # ablation: no softmax")],
+    "sw_nopv": [("                        self._issue_pv_regs(acc_O, a_regs, p_addr + buf * (2 * ROWS * 64), 0)",
+                 "                        pass  # ablation: no P.V")],
+    "sw_norescale": [("                        self._rescale_o(acc_O, sAlpha[None, buf], lt, False)",
+                      "                        pass  # ablation: no O^T rescale")],
     "sw_nos": [(_SW_S, "                    pass  # ablation: no S^T wgmmas")],
     "sw_nostore": [("                    self._store_s(acc_S, sS[None, None, None, j % 2], 0, wl, lg, lt)",
                     "                    pass  # ablation: no S^T stores")],
