@@ -252,8 +252,10 @@ class MLADecodeSM90:
         self.tpr = 1 << ((threads // self.rows).bit_length() - 1)
         self.softmax_threads = self.tpr * self.rows
         self.words_per_thread = (self.chunk // 4) // self.tpr  # P words (4 tokens) per softmax thread
-        # kernel_sw with 32 rows issues P.V(ci - 1) between the words of the softmax of chunk ci (see there)
+        # kernel_sw with 32 rows issues P.V(ci - 1) between the words of the softmax of chunk ci (see there); every
+        # thread of the two warpgroups owns a row then, so all of them reach each wgmma
         self.pv_in_softmax = self.s_wg and self.rows == 32
+        assert not self.pv_in_softmax or self.softmax_threads == NUM_THREADS
         self.p_planes = default_p_planes(num_heads, q_len) if p_planes is None else int(p_planes)
         if self.p_planes not in (1, 2):
             raise ValueError(f"p_planes must be 1 (e4m3 P) or 2 (hi/lo e4m3 P), got {self.p_planes}")
