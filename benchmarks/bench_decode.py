@@ -104,19 +104,24 @@ def _read_kernel():
     return _READ_KERNEL[0]
 
 
-def streaming_read_rate(x: torch.Tensor, shape, rep_ms: int = 300) -> float:
-    """Bytes per second at which the streaming-read kernel of `shape` = (programs per SM, int32 per block, warps)
-    reads the int32 tensor x (median of triton's do_bench)."""
-    import triton
-
+def streaming_read(x: torch.Tensor, shape):
+    """A function that launches the streaming-read kernel of `shape` = (programs per SM, int32 per block, warps)
+    over the int32 tensor x (its output buffer allocated here, once)."""
     per_sm, block, warps = shape
     read_all = _read_kernel()
     grid = torch.cuda.get_device_properties(x.device).multi_processor_count * per_sm
     out = torch.empty(grid * block, dtype=torch.int32, device=x.device)
     n = x.numel()
-    ms = triton.testing.do_bench(lambda: read_all[(grid,)](x, out, n, BLOCK=block, num_warps=warps), warmup=50,
-                                 rep=rep_ms, return_mode="median")
-    return n * 4 / (ms * 1e-3)
+    return lambda: read_all[(grid,)](x, out, n, BLOCK=block, num_warps=warps)
+
+
+def streaming_read_rate(x: torch.Tensor, shape, rep_ms: int = 300) -> float:
+    """Bytes per second at which the streaming-read kernel of `shape` reads the int32 tensor x (median of
+    triton's do_bench)."""
+    import triton
+
+    ms = triton.testing.do_bench(streaming_read(x, shape), warmup=50, rep=rep_ms, return_mode="median")
+    return x.numel() * 4 / (ms * 1e-3)
 
 
 def measure_read_bandwidth(gib: float = 4.0) -> float:

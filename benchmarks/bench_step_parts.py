@@ -30,8 +30,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_decode import (KV_DIM, L2_FLUSH_BYTES, READ_SHAPES, Case, _read_kernel, capture,  # noqa: E402
-                          case_bytes_and_flops, case_inputs, case_kv_bytes, measure_fp8_flops, measure_read_bandwidth,
+from bench_decode import (KV_DIM, L2_FLUSH_BYTES, READ_SHAPES, Case, capture, case_bytes_and_flops,  # noqa: E402
+                          case_inputs, case_kv_bytes, measure_fp8_flops, measure_read_bandwidth, streaming_read,
                           time_replay)
 
 VARIANTS = ("step", "no combine", "no planner", "decode", "empty graph", "KV read alone")
@@ -62,15 +62,7 @@ def read_alone_pieces(kv_pool, num_bytes: int) -> dict:
     import torch
 
     x = kv_pool[:num_bytes // 4 * 4].view(torch.int32)
-    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-    read_all = _read_kernel()
-    pieces = {}
-    for per_sm, block, warps in READ_SHAPES:
-        out = torch.empty(sms * per_sm * block, dtype=torch.int32, device=x.device)
-        pieces[f"read {per_sm} x {block} x {warps}"] = (
-            lambda out=out, per_sm=per_sm, block=block, warps=warps:
-            read_all[(sms * per_sm,)](x, out, x.numel(), BLOCK=block, num_warps=warps),)
-    return pieces
+    return {"read {} x {} x {}".format(*shape): (streaming_read(x, shape),) for shape in READ_SHAPES}
 
 
 def run_parts(case: Case, reps: int, kv_pool) -> dict:
