@@ -109,6 +109,9 @@ class CombineSplitsSM90:
         lane = tidx % 32
         warp = tidx // 32
         splits = num_splits[request]
+        # read with the split count, not after it: the partials' addresses need it, and a load behind the
+        # `splits > 1` branch would be one more round trip to memory on every CTA's path
+        first = split_offset[request]
         dst = cute.local_tile(out[request, row, None], (self.cols,), (part_of_row,))  # this CTA's columns
         if splits == 0:
             if tidx < self.cols // VEC:
@@ -123,7 +126,6 @@ class CombineSplitsSM90:
             weights = smem.allocate_tensor(cutlass.Float32, cute.make_layout(MAX_SPLITS), 16)
             scratch = smem.allocate_tensor(cutlass.Float32, cute.make_layout(WARPS), 16)
             sums = smem.allocate_tensor(cutlass.Float32, cute.make_layout((self.cols, WARPS), stride=(1, self.cols)), 16)
-            first = split_offset[request]
             load_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), cutlass.Float32, num_bits_per_copy=128)
 
             # The warp's first PREFETCH partials go in flight before the LSE reductions: their addresses need only
