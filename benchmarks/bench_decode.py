@@ -16,7 +16,9 @@ busy while the host enqueues the replay (`run_case`); the "no spin" column is th
 catches any time the GPU waits for the host's graph launch (docs/performance.md, "Step time by events").
 
 `--kernel-times` adds each kernel's duration from a profiler trace and the span from the first kernel's start to
-the last one's end ("step kernel"). With programmatic dependent launch (the default, `CUTE_MLA_PDL`) the decode
+the last one's end ("step kernel"), and the planner's and the combine's durations in graphs of their own ("planner
+alone", "combine alone": the "planner" and "combine" columns time those replays by events, graph launches
+included). With programmatic dependent launch (the default, `CUTE_MLA_PDL`) the decode
 and combine kernels start before the kernel ahead of them ends and wait for it on the GPU, so their durations
 include that wait; the span does not double count it.
 """
@@ -177,6 +179,9 @@ def case_bytes_and_flops(case: Case):
 
 KERNEL_KINDS = (("planner", "PlanSplits"), ("decode", "MLADecode"), ("combine", "CombineSplits"))
 KERNEL_NAMES = [kind for kind, _ in KERNEL_KINDS] + ["step"]
+# `--kernel-times`: the planner's and the combine's durations in graphs of their own, replayed back to back (the
+# "planner" / "combine" columns time those replays by events, so they include each replay's graph launch)
+ALONE_NAMES = ["planner_alone", "combine_alone"]
 
 
 def step_kernel_durations(kernels):
@@ -227,12 +232,13 @@ def flush_l2(buf: torch.Tensor, mode: str = "read") -> None:
 
 def trace_kernel_durations(graph, flush, reps: int, flush_mode: str = "read"):
     """Replay `graph` reps times under torch.profiler (CUPTI traces kernels inside graph replays) and return
-    step_kernel_durations of the trace."""
+    step_kernel_durations of the trace. flush None: back-to-back replays, the L2 left as the last one left it."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(reps):
-            flush_l2(flush, flush_mode)
+            if flush is not None:
+                flush_l2(flush, flush_mode)
             graph.replay()
         torch.cuda.synchronize()
     events = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
@@ -388,6 +394,10 @@ def run_case(case: Case, bandwidth: float, fp8_flops: float, reps: int, check: b
         end.record()
         end.synchronize()
         case.results[key] = start.elapsed_time(end) * 1e3 / 20
+        if kernel_times:
+            # the kernel's own duration in those replays, without the graph launch that each replay pays
+            kind = key[:-len("_us")]
+            case.results[f"{kind}_alone_kernel_us"] = trace_kernel_durations(part, None, 20)[kind]
     bytes_moved, flops = case_bytes_and_flops(case)
     floor = max(bytes_moved / bandwidth, flops / fp8_flops)
     t = statistics.median(times)
@@ -451,7 +461,7 @@ def main(argv=None) -> int:
         run_case(case, bandwidth, fp8, args.reps, args.check, args.kernel_times, args.l2_flush, kv_pool,
                  args.page_order)
         r = case.results
-        kernels = "".join(f"  {kind} kernel {r[kind + '_kernel_us']:.1f} us" for kind in KERNEL_NAMES
+        kernels = "".join(f"  {kind} kernel {r[kind + '_kernel_us']:.1f} us" for kind in KERNEL_NAMES + ALONE_NAMES
                           if kind + "_kernel_us" in r)
         print(f"  {case.name:<28} {r['time_us']:9.1f} us  floor {r['floor_us']:8.1f} us  ratio {r['ratio']:5.2f}"
               + f"  planner {r['planner_us']:5.1f} us  combine {r['combine_us']:5.1f} us" + kernels
@@ -461,7 +471,7 @@ def main(argv=None) -> int:
     os.makedirs(args.out_dir, exist_ok=True)
     csv_path = os.path.join(args.out_dir, "bench_decode.csv")
     keys = (["time_us", "floor_us", "ratio", "kv_mb", "bound", "spread", "planner_us", "combine_us", "exposed_us"]
-            + ([f"{kind}_kernel_us" for kind in KERNEL_NAMES] if args.kernel_times else [])
+            + ([f"{kind}_kernel_us" for kind in KERNEL_NAMES + ALONE_NAMES] if args.kernel_times else [])
             + (["rel_err"] if args.check else []))
     with open(csv_path, "w", newline="") as f:
         w = csv.writer(f)
@@ -469,7 +479,7 @@ def main(argv=None) -> int:
         for c in cases:
             w.writerow([c.name, c.heads, c.q_len, c.page_size, len(c.lengths)] + [c.results.get(k, "") for k in keys])
     print()
-    extra = KERNEL_NAMES if args.kernel_times else []
+    extra = KERNEL_NAMES + ALONE_NAMES if args.kernel_times else []
     print("| case | time (us) | floor (us) | time / floor | bound | planner (us) | combine (us) | no spin (us) |"
           + "".join(f" {kind} kernel (us) |" for kind in extra))
     print("| --- | ---: | ---: | ---: | --- | ---: | ---: | ---: |" + " ---: |" * len(extra))

@@ -63,3 +63,13 @@ def test_case_kv_views_the_pool():
         bench_decode.case_kv(pool[:100], large, device="cpu")
     fresh = bench_decode.case_kv(None, small, device="cpu")
     assert fresh.shape == (5, 32, 576) and fresh.data_ptr() != pool.data_ptr()
+
+
+def test_back_to_back_replays_of_one_kernel_give_its_median_duration():
+    # --kernel-times traces the planner's and the combine's own graphs replayed without a flush between them:
+    # all their kernels fall in one run, and the median is over the kernels, not over steps
+    events, t = [], 0.0
+    for us in (2.0, 1.5, 9.0, 1.6, 1.7):
+        events.append((COMBINE, t, t + us))
+        t += us + 3.0  # the graph launch between replays
+    assert abs(bench_decode.step_kernel_durations(events)["combine"] - 1.7) < 1e-9
