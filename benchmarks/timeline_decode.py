@@ -12,6 +12,11 @@ happened, which differs between copy orders: `kernel_sw`'s 64-row blocks issue t
 checked against the current source (tests/test_timeline_decode.py), like benchmarks/ablate_decode.py's. 32-row
 blocks run the softmax warpgroups' chunks in `_sw_chunk`, with P.V(ci - 1) issued inside the softmax of chunk ci:
 there the softmax warpgroups' stamps are the same but for "P.V issued", and "softmax done" includes that issue.
+
+`--cta` and `--row-block` read another stamped CTA; `--first-chunk F` stamps chunks [F, F + TL_CHUNKS) instead of
+the first ones. The first chunks of a long segment need not run at the kernel's average pace: H12 q8 1M x B1
+took ~3500 cycles per chunk over chunks 4-38 and ~2960 on average over its ~248 (docs/performance.md), and a
+variant 14% faster over chunks 4-38 was 4-5% slower as a whole kernel.
 """
 
 from __future__ import annotations
@@ -72,9 +77,10 @@ _BASE = (f"        tl_base = mPOut.iterator.toint() + cutlass.Int64(cute.size(mP
          f"        tl_on = cta < {TL_CTAS}\n")
 
 
-def _mark(indent: str, who: str, it: str, slot: str) -> str:
-    return (f"{indent}if tl_on and {who} and {it} < {TL_CHUNKS}:\n"
-            f"{indent}    _tl_store(tl_base + cutlass.Int64(({it} * {TL_SLOTS} + {slot}) * 4), _tl_clock())\n")
+def _mark(indent: str, who: str, it: str, slot: str, first: int = 0) -> str:
+    """The stamp statement: chunks [first, first + TL_CHUNKS) of the segment, stored from slot 0."""
+    return (f"{indent}if tl_on and {who} and {it} >= {first} and {it} < {first + TL_CHUNKS}:\n"
+            f"{indent}    _tl_store(tl_base + cutlass.Int64((({it} - {first}) * {TL_SLOTS} + {slot}) * 4), _tl_clock())\n")
 
 
 # kernel_sw's 32-row softmax warpgroups run each chunk in _sw_chunk: the same stamps but "P.V issued" (its wgmmas
@@ -91,7 +97,7 @@ def kernel_sw_span(src: str, name: str = "kernel_sw"):
     return start, src.index("    @cute.jit", start)
 
 
-def _stamp(lines, marks, who: str, it: str, slot: str, name: str, required: bool = True):
+def _stamp(lines, marks, who: str, it: str, slot: str, name: str, required: bool = True, first_chunk: int = 0):
     for text, k, before, *first in marks:
         hits = [i for i, line in enumerate(lines) if text in line]
         if not hits and required:
@@ -102,27 +108,29 @@ def _stamp(lines, marks, who: str, it: str, slot: str, name: str, required: bool
                 top -= 1
             indent = lines[top][:len(lines[top]) - len(lines[top].lstrip())]
             at = i if before else i + 1
-            lines[at:at] = _mark(indent, who, it, slot.format(k=k)).rstrip("\n").split("\n")
+            lines[at:at] = _mark(indent, who, it, slot.format(k=k), first_chunk).rstrip("\n").split("\n")
 
 
-def instrument(src: str) -> str:
-    """The kernel source with the stamps inserted; raises if an anchor is missing from kernel_sw."""
+def instrument(src: str, first_chunk: int = 0) -> str:
+    """The kernel source with the stamps inserted (chunks [first_chunk, first_chunk + TL_CHUNKS) of each stamped
+    CTA's first segment); raises if an anchor is missing from kernel_sw."""
     start, end = kernel_sw_span(src)
     head, body, tail = src[:start], src[start:end], src[end:]
     if body.count(_BASE_ANCHOR) != 1:
         raise ValueError("timeline anchor not found once in kernel_sw: the CTA's first request / wg == 2 branch")
     body = body.replace(_BASE_ANCHOR, _BASE_ANCHOR.split("\n")[0] + "\n" + _BASE + "        if wg == 2:\n")
     lines = body.split("\n")
-    _stamp(lines, S_MARKS, "tw == 0", "j", "{k}", "kernel_sw")
+    _stamp(lines, S_MARKS, "tw == 0", "j", "{k}", "kernel_sw", first_chunk=first_chunk)
     # where every row count runs its chunks in _sw_chunk, kernel_sw has no softmax loop of its own to stamp
-    _stamp(lines, P_MARKS, "tidx % 128 == 0", "ci", "8 + 8 * wg + {k}", "kernel_sw", _CHUNK_CALL not in body)
+    _stamp(lines, P_MARKS, "tidx % 128 == 0", "ci", "8 + 8 * wg + {k}", "kernel_sw", _CHUNK_CALL not in body,
+           first_chunk)
     body = "\n".join(lines).replace(_CHUNK_CALL, _CHUNK_CALL + "tl_base, tl_on, tidx % 128 == 0, ")
     if _CHUNK_CALL in body:
         if _CHUNK_DEF not in tail:
             raise ValueError("timeline anchor not found: kernel_sw calls _sw_chunk, whose definition moved")
         c0, c1 = kernel_sw_span(tail, "_sw_chunk")
         chunk = tail[c0:c1].replace(_CHUNK_DEF, _CHUNK_DEF + "tl_base, tl_on, tl_lead, ", 1).split("\n")
-        _stamp(chunk, CHUNK_MARKS, "tl_lead", "ci", "8 + 8 * wg + {k}", "_sw_chunk")
+        _stamp(chunk, CHUNK_MARKS, "tl_lead", "ci", "8 + 8 * wg + {k}", "_sw_chunk", first_chunk=first_chunk)
         tail = tail[:c0] + "\n".join(chunk) + tail[c1:]
     anchor = "\nKV_DIM = 576\n"
     if head.count(anchor) != 1:
@@ -161,7 +169,14 @@ def main(argv=None) -> int:
     p.add_argument("--case", action="append", default=[], help='"heads q_len page kv_tokens batch" (repeatable)')
     p.add_argument("--reps", type=int, default=3, help="stamped launches per case (after warm-up)")
     p.add_argument("--source", default="", help="a copy of decode_sm90.py to stamp instead of the installed one")
+    p.add_argument("--cta", type=int, default=0, help=f"which plan CTA's stamps to read (< {TL_CTAS})")
+    p.add_argument("--row-block", type=int, default=0, help="which row block's stamps to read")
+    p.add_argument("--first-chunk", type=int, default=0,
+                   help=f"stamp chunks [F, F + {TL_CHUNKS}) of the segment instead of the first {TL_CHUNKS}: the "
+                        "first chunks of a long segment can run at another pace than the rest")
     args = p.parse_args(argv)
+    if not 0 <= args.cta < TL_CTAS or args.row_block < 0:
+        p.error(f"--cta must be in [0, {TL_CTAS}) and --row-block >= 0")
     import torch
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -169,7 +184,7 @@ def main(argv=None) -> int:
     from mla_backend.hopper import decode_sm90
 
     with open(args.source or decode_sm90.__file__) as f:
-        src = instrument(f.read())
+        src = instrument(f.read(), args.first_chunk)
     with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as tmp:
         tmp.write(src)
     module = bk.load_variant(tmp.name, 0)
@@ -194,13 +209,15 @@ def main(argv=None) -> int:
         torch.cuda.synchronize()
         n = TL_CHUNKS * TL_SLOTS
         print(f"H{heads} q{q_len} page {case[2]} {case[3]} x B{batch}: median SM cycles per chunk "
-              f"(chunks 4-{TL_CHUNKS - 2} of CTA 0, row block 0, {args.reps} launches)")
+              f"(chunks {args.first_chunk + 4}-{args.first_chunk + TL_CHUNKS - 2} of CTA {args.cta}, row block "
+              f"{args.row_block}, {args.reps} launches)")
         for rep in range(args.reps):
             p_out[-1].zero_()
             torch.cuda._sleep(400_000)
             run()
             torch.cuda.synchronize()
-            flat = p_out[-1].flatten().view(torch.int32)[:n].cpu().tolist()
+            first = (args.row_block * TL_CTAS + args.cta) * n  # the stamps' base in _BASE
+            flat = p_out[-1].flatten().view(torch.int32)[first:first + n].cpu().tolist()
             stamps = [[v & 0xFFFFFFFF for v in flat[j * TL_SLOTS:(j + 1) * TL_SLOTS]] for j in range(TL_CHUNKS)]
             parts = [("S^T wg", phase_medians(stamps, 0, S_EVENTS))]
             parts += [(f"wg{w}", phase_medians(stamps, 8 + 8 * w, P_EVENTS)) for w in (0, 1)]

@@ -33,6 +33,15 @@ def test_every_anchor_gets_a_stamp():
     assert len(stamped.splitlines()) > len(source.splitlines()) + 2 * hits
 
 
+def test_a_later_window_of_chunks_is_stamped_from_slot_zero():
+    source = _source()
+    stamped = tl.instrument(source, first_chunk=160)
+    assert stamped.count("_tl_store(tl_base") == tl.instrument(source).count("_tl_store(tl_base")
+    assert f"j >= 160 and j < {160 + tl.TL_CHUNKS}:" in stamped
+    assert "((j - 160) * 32 + 0) * 4" in stamped
+    assert "ci >= 0 and" not in stamped
+
+
 def test_a_moved_anchor_is_an_error():
     source = _source().replace("# buffer j % 2 last held S^T(j - 2)", "# buffer j % 2 held S^T(j - 2)")
     with pytest.raises(ValueError, match="buffer j % 2 last held"):
@@ -44,7 +53,7 @@ def test_the_stamped_kernel_compiles(tmp_path, heads, q_len):
     import bench_decode_kernel
 
     path = tmp_path / f"tl_{heads}_{q_len}.py"
-    path.write_text(tl.instrument(_source()))
+    path.write_text(tl.instrument(_source(), first_chunk=100 if heads == 12 else 0))
     module = bench_decode_kernel.load_variant(str(path), 91 + heads)
     fn = module.compile_decode_sm90(heads, q_len, 32, arch="sm_90a")
     assert fn.decode_op.s_wg
