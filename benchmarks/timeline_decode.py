@@ -79,8 +79,9 @@ _BASE = (f"        tl_base = mPOut.iterator.toint() + cutlass.Int64(cute.size(mP
 
 def _mark(indent: str, who: str, it: str, slot: str, first: int = 0) -> str:
     """The stamp statement: chunks [first, first + TL_CHUNKS) of the segment, stored from slot 0."""
+    offset = f"(({it} - {first}) * {TL_SLOTS} + {slot}) * 4"
     return (f"{indent}if tl_on and {who} and {it} >= {first} and {it} < {first + TL_CHUNKS}:\n"
-            f"{indent}    _tl_store(tl_base + cutlass.Int64((({it} - {first}) * {TL_SLOTS} + {slot}) * 4), _tl_clock())\n")
+            f"{indent}    _tl_store(tl_base + cutlass.Int64({offset}), _tl_clock())\n")
 
 
 # kernel_sw's 32-row softmax warpgroups run each chunk in _sw_chunk: the same stamps but "P.V issued" (its wgmmas
