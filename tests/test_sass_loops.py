@@ -1,0 +1,33 @@
+"""benchmarks/sass_loops.py: loops are found from backward branches in an nvdisasm listing, with their opcode counts."""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+
+import sass_loops  # noqa: E402
+
+LISTING = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+.L_x_3:
+        /*0010*/                   LDS R2, [R3] ;
+        /*0020*/                   FMUL R2, R2, R4 ;
+        /*0030*/               @P0 FMUL R5, R2, R4 ;
+.L_x_4:
+        /*0040*/                   MUFU.EX2 R6, R5 ;
+        /*0050*/              @!P1 BRA `(.L_x_4) ;
+        /*0060*/                   QGMMA.64x48x32.F32.E4M3.E4M3 R48, gdesc[UR20], R48 ;
+        /*0070*/               @P2 BRA `(.L_x_3) ;
+        /*0080*/                   BRA `(.L_x_5) ;
+.L_x_5:
+        /*0090*/                   EXIT ;
+"""
+
+
+def test_backward_branches_are_loops_with_their_opcode_counts():
+    loops = sass_loops.sass_loops(LISTING)
+    assert [(first, last, count) for first, last, count, _ in loops] == [(0x40, 0x50, 2), (0x10, 0x70, 7)]
+    inner, outer = loops[0][3], loops[1][3]
+    assert inner == {"MUFU": 1, "BRA": 1}
+    # predicated instructions count under their opcode; suffixes are dropped
+    assert outer["FMUL"] == 2 and outer["QGMMA"] == 1 and outer["BRA"] == 2 and outer["LDS"] == 1
