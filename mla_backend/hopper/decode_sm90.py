@@ -165,6 +165,13 @@ SW_REGS_PV_64 = 200
 SW_REGS_S_64 = 104
 
 
+# kernel_sw's named barriers (0 is the CTA's), shared by its S^T warpgroup loop and `_sw_chunk`
+PV_BAR = 1  # warpgroups 0 and 1 (256 threads): P(ci) and alpha(ci) written
+S_FULL = 2  # + buffer: S^T(j) stored, its chunk landed
+S_FREE = 4  # + buffer: S^T(j) read, the V^T registers of chunk j loaded
+LOAD_BAR = 6  # warpgroup 2 alone: every copy of a chunk landed
+
+
 def sw_register_budgets(rows_per_block: int):
     """(P.V warpgroups, S^T warpgroup) setmaxnreg budgets of `kernel_sw`."""
     return (SW_REGS_PV_64, SW_REGS_S_64) if rows_per_block == 64 else (SW_REGS_PV, SW_REGS_S)
@@ -721,10 +728,6 @@ class MLADecodeSM90:
         NA = ROWS // 2
         NT = self.num_threads
         WGT = NUM_THREADS // 2
-        PV_BAR = 1  # warpgroups 0 and 1 (256 threads); 0 is the CTA's
-        S_FULL = 2  # + buffer
-        S_FREE = 4  # + buffer
-        LOAD_BAR = 6  # warpgroup 2 alone: every copy of a chunk landed
 
         pdl_prologue(self.pdl)
         tidx, _, _ = cute.arch.thread_idx()
@@ -1128,9 +1131,6 @@ class MLADecodeSM90:
         ROWS = self.rows
         NA = ROWS // 2
         NT = self.num_threads
-        PV_BAR = 1
-        S_FULL = 2
-        S_FREE = 4
         buf = ci % 2
         p_prev = p_addr + (1 - buf) * (2 * ROWS * 64)
         cute.arch.barrier(barrier_id=S_FULL + buf, number_of_threads=NT)
