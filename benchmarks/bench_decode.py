@@ -69,7 +69,7 @@ def extended_cases():
             cases.append(Case(f"H{heads} q{q_len} 1M x B4", [1 << 20] * 4, heads, q_len, 32))
     cases.append(Case("H12 q1 1M x B4 page 64", [1 << 20] * 4, 12, 1, 64))
     cases.append(Case("H12 q1 (1M-17) x B4", [(1 << 20) - 17] * 4, 12, 1, 32))
-    for batch, kv in ((64, 8192), (64, 32768), (128, 8192), (128, 32768)):
+    for batch, kv in ((32, 8192), (32, 32768), (64, 8192), (64, 32768), (128, 8192), (128, 32768)):
         cases.append(Case(f"H12 q1 {kv // 1024}K x B{batch}", [kv] * batch, 12, 1, 32))
     return cases
 

@@ -1,6 +1,6 @@
 """Merge the split-KV partials of each request by their LSE (SM90, CuTe DSL).
 
-One CTA of 8 warps per (request, query row), or per quarter of the row's 512 columns while the batch's rows
+Row mode: one CTA of 8 warps per (request, query row), or per quarter of the row's 512 columns while the batch's rows
 fit one wave: it reads the split count and workspace offset from the plan, so the grid is fixed (batch x rows
 x 1 or 4, chosen from shapes the host knows) and needs no host reads. Requests with one split exit at once:
 the decode kernel already wrote their final output. Requests without KV (no split at all) get out = 0,
@@ -15,6 +15,13 @@ warp, eight at a time (unrolled), the first 2 (8 with four CTAs per row, all of 
 one CTA per SM) loaded before the LSE reductions so that their round trip overlaps the LSEs'; each lane owns
 16-byte vectors of the CTA's 512 or 128 columns.
 The warps' sums are added through shared memory at the end.
+
+Warp mode, for batches of many rows with few splits each (`combine_heavy_slots`): a CTA per row costs its
+launch and a round trip for a row of 2-4 partials, and 768-1536 such CTAs took 3.8-6.3 us (8K x B64, q_len 8 128K
+x B16). There a warp merges a row (lane s holds split s's LSE), eight rows per CTA, for every request
+with at most HEAVY_SPLITS splits; the few requests with more (a plan of N CTAs holds at most N / 32 of them) are
+merged row by row by rows x DIM_SPLITS (or x 1) CTAs of their own at the front of the grid, which find them with
+one ballot pass over the plan.
 
 out = sum_s exp(lse_s - lse) * O_s, lse = log(sum_s exp(lse_s)), computed in base 2; a row whose partials
 are all empty (lse -inf) gets out = 0 and lse = -inf.
@@ -49,6 +56,14 @@ DIM_SPLITS = 4
 # q_len 8 128K x B1, 384 CTAs: combine 5.3 -> 6.8 us), so it keeps 8 (one vector per lane) or 2 (four).
 PREFETCH_ALL = 17
 MAX_SPLITS = 2048  # split weights kept in shared memory; a plan has at most num_ctas splits per request
+# Warp mode (many rows of few splits, `combine_heavy_slots`): a warp merges a row of a request with at most
+# HEAVY_SPLITS splits (a lane per split's LSE), eight rows per CTA; a request with more is "heavy", and CTAs of
+# their own merge its rows as the row mode does. WARP_PREFETCH partials per warp are loaded before the LSEs.
+HEAVY_SPLITS = 32
+# warp mode only above this many rows per SM and below this many plan CTAs per request (`combine_heavy_slots`)
+WARP_MODE_ROWS_PER_SM = 4
+WARP_MODE_CTAS_PER_REQUEST = 6
+WARP_PREFETCH = 3
 LSE_PER_THREAD = MAX_SPLITS // THREADS
 
 
@@ -56,7 +71,8 @@ class CombineSplitsSM90:
     """Static configuration: the number of query rows per request (q_len * heads) and the number of CTAs that
     share a row's 512 columns (1 or DIM_SPLITS)."""
 
-    def __init__(self, rows: int, dim_splits: int = 1, pdl: bool = False, prefetch_all: bool = False):
+    def __init__(self, rows: int, dim_splits: int = 1, pdl: bool = False, prefetch_all: bool = False,
+                 heavy_slots: int = -1):
         self.pdl = pdl
         assert LATENT_DIM % (dim_splits * 32 * VEC) == 0
         self.rows = rows
@@ -64,6 +80,11 @@ class CombineSplitsSM90:
         self.cols = LATENT_DIM // dim_splits
         self.vecs_per_lane = self.cols // (32 * VEC)
         self.prefetch = PREFETCH_ALL if prefetch_all else max(2, 8 // self.vecs_per_lane)
+        # warp mode (heavy_slots >= 0): rows x dim_splits CTAs for the rows of the requests with more than
+        # HEAVY_SPLITS splits (at most heavy_slots of them), then the CTAs of each request's rows, WARPS rows each
+        self.warp_rows = heavy_slots >= 0
+        self.heavy_slots = max(heavy_slots, 0)
+        self.row_groups = -(-rows // WARPS)
 
     @cute.jit
     def __call__(self, p_partial_out: cute.Pointer, p_partial_lse: cute.Pointer, p_out: cute.Pointer,
@@ -79,8 +100,16 @@ class CombineSplitsSM90:
         lse = cute.make_tensor(p_lse, cute.make_layout((batch, R), stride=(R, 1)))
         num_splits = cute.make_tensor(p_num_splits, cute.make_layout((max_batch,)))
         split_offset = cute.make_tensor(p_split_offset, cute.make_layout((max_batch,)))
+        grid = [batch, R, self.dim_splits]
+        if cutlass.const_expr(self.warp_rows):
+            grid = [self._heavy_ctas() + batch * self.row_groups, 1, 1]
         self.kernel(partial_out, partial_lse, out, lse, num_splits, split_offset).launch(
-            grid=[batch, R, self.dim_splits], block=[THREADS, 1, 1], stream=stream, use_pdl=self.pdl)
+            grid=grid, block=[THREADS, 1, 1], stream=stream, use_pdl=self.pdl)
+
+    def _heavy_ctas(self) -> int:
+        """Warp mode's CTAs for the heavy requests' rows: one per (row, column part), none where no request of
+        the plan can have more than HEAVY_SPLITS splits."""
+        return self.rows * self.dim_splits if self.heavy_slots > 0 else 0
 
     @cute.jit
     def _block_reduce(self, value: cutlass.Float32, scratch: cute.Tensor, warp, lane, is_max: cutlass.Constexpr):
@@ -105,129 +134,265 @@ class CombineSplitsSM90:
                num_splits: cute.Tensor, split_offset: cute.Tensor):
         pdl_prologue(self.pdl)
         tidx, _, _ = cute.arch.thread_idx()
-        request, row, part_of_row = cute.arch.block_idx()
         lane = tidx % 32
         warp = tidx // 32
+        # one allocator for every path: the heavy CTAs' search and their merge must not overlap in shared memory
+        smem = cutlass.memory.SmemAllocator()
+        weights = smem.allocate_tensor(cutlass.Float32, cute.make_layout(MAX_SPLITS), 16)
+        scratch = smem.allocate_tensor(cutlass.Float32, cute.make_layout(WARPS), 16)
+        sums = smem.allocate_tensor(cutlass.Float32, cute.make_layout((self.cols, WARPS), stride=(1, self.cols)), 16)
+        shared = (weights, scratch, sums)
+        if cutlass.const_expr(self.warp_rows):
+            counts = smem.allocate_tensor(cutlass.Int32, cute.make_layout(WARPS), 16)
+            found = smem.allocate_tensor(cutlass.Int32, cute.make_layout((max(self.heavy_slots, 1), 3), stride=(3, 1)),
+                                         16)
+            # the heavy CTAs first: they hold the rows with the most partials, so they start before the rest
+            c, _, _ = cute.arch.block_idx()
+            heavy = self._heavy_ctas()
+            if c >= heavy:
+                c = c - heavy
+                self._merge_rows_by_warps(partial_out, partial_lse, out, lse, num_splits, split_offset,
+                                          c // self.row_groups, (c % self.row_groups) * WARPS + warp, lane)
+            else:
+                # one CTA per (row, column quarter) of every heavy request: usually one request (a long one
+                # among short ones), at most heavy_slots of them, one after the other
+                part_of_row = c % self.dim_splits
+                row = c // self.dim_splits
+                n_heavy = self._find_heavy(num_splits, split_offset, counts, found, tidx, lane, warp)
+                for h in range(n_heavy):
+                    self._merge_row(partial_out, partial_lse, out, lse, shared, found[h, 0], row, part_of_row,
+                                    found[h, 1], found[h, 2], tidx, lane, warp)
+                    cute.arch.barrier()  # the shared sums and weights are reused by the next request
+        else:
+            request, row, part_of_row = cute.arch.block_idx()
+            splits = num_splits[request]
+            # read with the split count, not after it: the partials' addresses need it, and a load behind the
+            # `splits > 1` branch would be one more round trip to memory on every CTA's path
+            first = split_offset[request]
+            dst = cute.local_tile(out[request, row, None], (self.cols,), (part_of_row,))  # this CTA's columns
+            if splits == 0:
+                if tidx < self.cols // VEC:
+                    zeros = cute.make_rmem_tensor((VEC,), cutlass.BFloat16)
+                    zeros.fill(0.0)
+                    cute.autovec_copy(zeros, cute.local_tile(dst, (VEC,), (tidx,)))
+                if tidx == 0:
+                    if part_of_row == 0:
+                        lse[request, row] = -cutlass.Float32.inf
+            if splits > 1:
+                self._merge_row(partial_out, partial_lse, out, lse, shared, request, row, part_of_row, splits, first,
+                                tidx, lane, warp)
+
+    @cute.jit
+    def _find_heavy(self, num_splits: cute.Tensor, split_offset: cute.Tensor, counts: cute.Tensor,
+                    found: cute.Tensor, tidx, lane, warp):
+        """Warp mode's heavy CTAs: the requests, in request order, with more than HEAVY_SPLITS splits, as (request,
+        splits, workspace offset) rows of `found` (at most heavy_slots of them, all a plan can hold); returns how
+        many. One pass over the plan's entries, THREADS at a time, ranked by ballots."""
+        batch = cute.size(num_splits, mode=[0])
+        base = cutlass.Int32(0)
+        for i0 in cutlass.range(0, batch, THREADS):
+            i = i0 + tidx
+            s = cutlass.Int32(0)
+            o = cutlass.Int32(0)
+            if i < batch:
+                s = num_splits[i]
+                o = split_offset[i]
+            heavy = s > HEAVY_SPLITS
+            ballot = cute.arch.vote_ballot_sync(heavy)
+            if lane == 0:
+                counts[warp] = cute.arch.popc(ballot)
+            cute.arch.barrier()
+            rank = base + cute.arch.popc(ballot & cute.arch.lanemask_lt())
+            total = cutlass.Int32(0)
+            for w in cutlass.range_constexpr(WARPS):
+                n = counts[w]
+                if w < warp:
+                    rank = rank + n
+                total = total + n
+            if heavy:
+                if rank < self.heavy_slots:
+                    found[rank, 0] = i
+                    found[rank, 1] = s
+                    found[rank, 2] = o
+            base = base + total
+            cute.arch.barrier()  # counts are reused; found is written
+        return cutlass.min(base, self.heavy_slots)
+
+    @cute.jit
+    def _merge_rows_by_warps(self, partial_out: cute.Tensor, partial_lse: cute.Tensor, out: cute.Tensor,
+                             lse: cute.Tensor, num_splits: cute.Tensor, split_offset: cute.Tensor, request, row,
+                             lane):
+        """Warp mode: this warp's row of `request`, if the request has at most HEAVY_SPLITS splits (lane s holds
+        split s's LSE and weight; the lane owns the 16-byte vectors lane + 32 k of the 512 columns)."""
+        VECS = LATENT_DIM // (32 * VEC)
         splits = num_splits[request]
-        # read with the split count, not after it: the partials' addresses need it, and a load behind the
-        # `splits > 1` branch would be one more round trip to memory on every CTA's path
         first = split_offset[request]
-        dst = cute.local_tile(out[request, row, None], (self.cols,), (part_of_row,))  # this CTA's columns
-        if splits == 0:
-            if tidx < self.cols // VEC:
+        if row < self.rows:
+            if splits == 0:
                 zeros = cute.make_rmem_tensor((VEC,), cutlass.BFloat16)
                 zeros.fill(0.0)
-                cute.autovec_copy(zeros, cute.local_tile(dst, (VEC,), (tidx,)))
-            if tidx == 0:
-                if part_of_row == 0:
+                for k in cutlass.range_constexpr(VECS):
+                    cute.autovec_copy(zeros, cute.local_tile(out[request, row, None], (VEC,), (lane + 32 * k,)))
+                if lane == 0:
                     lse[request, row] = -cutlass.Float32.inf
-        if splits > 1:
-            smem = cutlass.memory.SmemAllocator()
-            weights = smem.allocate_tensor(cutlass.Float32, cute.make_layout(MAX_SPLITS), 16)
-            scratch = smem.allocate_tensor(cutlass.Float32, cute.make_layout(WARPS), 16)
-            sums = smem.allocate_tensor(cutlass.Float32, cute.make_layout((self.cols, WARPS), stride=(1, self.cols)), 16)
-            load_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), cutlass.Float32, num_bits_per_copy=128)
-
-            # The warp's first PREFETCH partials go in flight before the LSE reductions: their addresses need only
-            # the plan, so the partials' round trip overlaps the LSEs' instead of following it.
-            pre = cute.make_rmem_tensor((VEC, self.vecs_per_lane, self.prefetch), cutlass.Float32)
-            for u in cutlass.range_constexpr(self.prefetch):
-                s = warp + u * WARPS
-                if s < splits:
-                    src = cute.local_tile(partial_out[first + s, row, None], (self.cols,), (part_of_row,))
-                    for k in cutlass.range_constexpr(self.vecs_per_lane):
-                        cute.copy(load_atom, cute.local_tile(src, (VEC,), (lane + 32 * k,)), pre[None, k, u])
-
-            # The largest LSE (base 2), then the weights 2^(lse_s - max) and their sum. Up to 32 splits (B8 and more
-            # at q_len 1 on 132 SMs) every warp reduces the LSEs itself, lane s holding split s, and keeps its
-            # weights in its own 32 slots of `weights`: no CTA barrier before the partials are summed. More splits
-            # are reduced by the whole CTA.
-            anchor = cutlass.Float32(0.0)
-            total = cutlass.Float32(0.0)
-            wbase = cutlass.Int32(0)
-            if splits <= 32:
+            if splits > 1 and splits <= HEAVY_SPLITS:
+                load_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), cutlass.Float32, num_bits_per_copy=128)
+                pre = cute.make_rmem_tensor((VEC, VECS, WARP_PREFETCH), cutlass.Float32)
+                for u in cutlass.range_constexpr(WARP_PREFETCH):
+                    if u < splits:
+                        for k in cutlass.range_constexpr(VECS):
+                            cute.copy(load_atom, cute.local_tile(partial_out[first + u, row, None], (VEC,),
+                                                                 (lane + 32 * k,)), pre[None, k, u])
                 lse_l = -cutlass.Float32.inf
                 if lane < splits:
                     lse_l = partial_lse[first + lane, row] * LOG2_E
-                lse_max = cute.arch.warp_reduction_max(lse_l)
-                anchor = lse_max
-                if lse_max == -cutlass.Float32.inf:
+                anchor = cute.arch.warp_reduction_max(lse_l)
+                if anchor == -cutlass.Float32.inf:
                     anchor = cutlass.Float32(0.0)  # every partial empty: all weights are 0
                 w_l = cutlass.Float32(0.0)
                 if lane < splits:
                     w_l = cute.math.exp2(lse_l - anchor, fastmath=True)
                 total = cute.arch.warp_reduction_sum(w_l)
-                wbase = warp * 32
-                weights[wbase + lane] = w_l
-                cute.arch.sync_warp()
-            else:
-                # The largest LSE (base 2), then the weights 2^(lse_s - max) and their sum, all splits at once. Each
-                # thread reads its LSEs once (MAX_SPLITS / THREADS at most, predicated) and keeps them in registers:
-                # a second pass over global memory cost one more dependent round trip.
-                my_lse = cute.make_rmem_tensor((LSE_PER_THREAD,), cutlass.Float32)
-                local_max = -cutlass.Float32.inf
-                for k in cutlass.range_constexpr(LSE_PER_THREAD):
-                    my_lse[k] = -cutlass.Float32.inf
-                    s = tidx + k * THREADS
-                    if s < splits:
-                        my_lse[k] = partial_lse[first + s, row] * LOG2_E
-                    local_max = cute.arch.fmax(local_max, my_lse[k])
-                lse_max = self._block_reduce(local_max, scratch, warp, lane, True)
-                anchor = lse_max
-                if lse_max == -cutlass.Float32.inf:
-                    anchor = cutlass.Float32(0.0)  # every partial empty: all weights are 0
-                local_sum = cutlass.Float32(0.0)
-                for k in cutlass.range_constexpr(LSE_PER_THREAD):
-                    s = tidx + k * THREADS
-                    if s < splits:
-                        w = cute.math.exp2(my_lse[k] - anchor, fastmath=True)
-                        weights[s] = w
-                        local_sum += w
-                total = self._block_reduce(local_sum, scratch, warp, lane, False)  # its barriers publish weights
-            inv_total = cutlass.Float32(0.0)
-            if total > cutlass.Float32(0.0):
-                inv_total = cutlass.Float32(1.0) / total
-
-            # 16-byte accesses: every vector starts at a multiple of 4 elements of a 16-byte aligned row.
-            acc = cute.make_rmem_tensor((VEC, self.vecs_per_lane), cutlass.Float32)
-            acc.fill(0.0)
-            for u in cutlass.range_constexpr(self.prefetch):
-                s = warp + u * WARPS
-                if s < splits:
-                    weight = weights[wbase + s] * inv_total
-                    for k in cutlass.range_constexpr(self.vecs_per_lane):
+                inv_total = cutlass.Float32(0.0)
+                if total > cutlass.Float32(0.0):
+                    inv_total = cutlass.Float32(1.0) / total
+                acc = cute.make_rmem_tensor((VEC, VECS), cutlass.Float32)
+                acc.fill(0.0)
+                for u in cutlass.range_constexpr(WARP_PREFETCH):
+                    if u < splits:
+                        weight = cute.arch.shuffle_sync(w_l, u) * inv_total
+                        for k in cutlass.range_constexpr(VECS):
+                            for i in cutlass.range_constexpr(VEC):
+                                acc[i, k] += weight * pre[i, k, u]
+                part = cute.make_rmem_tensor((VEC, VECS), cutlass.Float32)
+                for s in cutlass.range(WARP_PREFETCH, splits, 1, unroll=4):
+                    weight = cute.arch.shuffle_sync(w_l, s) * inv_total
+                    for k in cutlass.range_constexpr(VECS):
+                        cute.copy(load_atom, cute.local_tile(partial_out[first + s, row, None], (VEC,),
+                                                             (lane + 32 * k,)), part[None, k])
+                    for k in cutlass.range_constexpr(VECS):
                         for i in cutlass.range_constexpr(VEC):
-                            acc[i, k] += weight * pre[i, k, u]
-            part = cute.make_rmem_tensor((VEC, self.vecs_per_lane), cutlass.Float32)
-            for s in cutlass.range(warp + self.prefetch * WARPS, splits, WARPS, unroll=8):  # 8 partials in flight
-                weight = weights[wbase + s] * inv_total
-                src = cute.local_tile(partial_out[first + s, row, None], (self.cols,), (part_of_row,))
-                for k in cutlass.range_constexpr(self.vecs_per_lane):
-                    cute.copy(load_atom, cute.local_tile(src, (VEC,), (lane + 32 * k,)), part[None, k])
-                for k in cutlass.range_constexpr(self.vecs_per_lane):
+                            acc[i, k] += weight * part[i, k]
+                vals = cute.make_rmem_tensor((VEC,), cutlass.BFloat16)
+                for k in cutlass.range_constexpr(VECS):
                     for i in cutlass.range_constexpr(VEC):
-                        acc[i, k] += weight * part[i, k]
-            for k in cutlass.range_constexpr(self.vecs_per_lane):
-                for i in cutlass.range_constexpr(VEC):
-                    sums[(lane + 32 * k) * VEC + i, warp] = acc[i, k]
-            cute.arch.barrier()
-
-            # Thread t < cols / 2 adds the 8 warps' sums of columns 2t, 2t+1 and stores them as one bf16 pair.
-            if tidx < self.cols // 2:
-                pair = cute.make_rmem_tensor((2,), cutlass.BFloat16)
-                for i in cutlass.range_constexpr(2):
-                    column = tidx * 2 + i
-                    value = sums[column, 0]
-                    for w in cutlass.range_constexpr(1, WARPS):
-                        value += sums[column, w]
-                    pair[i] = value.to(cutlass.BFloat16)
-                cute.autovec_copy(pair, cute.local_tile(dst, (2,), (tidx,)))
-            if tidx == 0:
-                if part_of_row == 0:
+                        vals[i] = acc[i, k].to(cutlass.BFloat16)
+                    cute.autovec_copy(vals, cute.local_tile(out[request, row, None], (VEC,), (lane + 32 * k,)))
+                if lane == 0:
                     result = -cutlass.Float32.inf
                     if total > cutlass.Float32(0.0):
                         result = (anchor + cute.math.log2(total)) * LN_2
                     lse[request, row] = result
+
+    @cute.jit
+    def _merge_row(self, partial_out: cute.Tensor, partial_lse: cute.Tensor, out: cute.Tensor, lse: cute.Tensor,
+                   shared, request, row, part_of_row, splits, first, tidx, lane, warp):
+        """The whole CTA merges the `splits` (> 1) partials of one row of `request`, over its columns (a quarter
+        of them with DIM_SPLITS CTAs per row)."""
+        dst = cute.local_tile(out[request, row, None], (self.cols,), (part_of_row,))  # this CTA's columns
+        weights, scratch, sums = shared
+        load_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), cutlass.Float32, num_bits_per_copy=128)
+
+        # The warp's first PREFETCH partials go in flight before the LSE reductions: their addresses need only
+        # the plan, so the partials' round trip overlaps the LSEs' instead of following it.
+        pre = cute.make_rmem_tensor((VEC, self.vecs_per_lane, self.prefetch), cutlass.Float32)
+        for u in cutlass.range_constexpr(self.prefetch):
+            s = warp + u * WARPS
+            if s < splits:
+                src = cute.local_tile(partial_out[first + s, row, None], (self.cols,), (part_of_row,))
+                for k in cutlass.range_constexpr(self.vecs_per_lane):
+                    cute.copy(load_atom, cute.local_tile(src, (VEC,), (lane + 32 * k,)), pre[None, k, u])
+
+        # The largest LSE (base 2), then the weights 2^(lse_s - max) and their sum. Up to 32 splits (B8 and more
+        # at q_len 1 on 132 SMs) every warp reduces the LSEs itself, lane s holding split s, and keeps its
+        # weights in its own 32 slots of `weights`: no CTA barrier before the partials are summed. More splits
+        # are reduced by the whole CTA.
+        anchor = cutlass.Float32(0.0)
+        total = cutlass.Float32(0.0)
+        wbase = cutlass.Int32(0)
+        if splits <= 32:
+            lse_l = -cutlass.Float32.inf
+            if lane < splits:
+                lse_l = partial_lse[first + lane, row] * LOG2_E
+            lse_max = cute.arch.warp_reduction_max(lse_l)
+            anchor = lse_max
+            if lse_max == -cutlass.Float32.inf:
+                anchor = cutlass.Float32(0.0)  # every partial empty: all weights are 0
+            w_l = cutlass.Float32(0.0)
+            if lane < splits:
+                w_l = cute.math.exp2(lse_l - anchor, fastmath=True)
+            total = cute.arch.warp_reduction_sum(w_l)
+            wbase = warp * 32
+            weights[wbase + lane] = w_l
+            cute.arch.sync_warp()
+        else:
+            # The largest LSE (base 2), then the weights 2^(lse_s - max) and their sum, all splits at once. Each
+            # thread reads its LSEs once (MAX_SPLITS / THREADS at most, predicated) and keeps them in registers:
+            # a second pass over global memory cost one more dependent round trip.
+            my_lse = cute.make_rmem_tensor((LSE_PER_THREAD,), cutlass.Float32)
+            local_max = -cutlass.Float32.inf
+            for k in cutlass.range_constexpr(LSE_PER_THREAD):
+                my_lse[k] = -cutlass.Float32.inf
+                s = tidx + k * THREADS
+                if s < splits:
+                    my_lse[k] = partial_lse[first + s, row] * LOG2_E
+                local_max = cute.arch.fmax(local_max, my_lse[k])
+            lse_max = self._block_reduce(local_max, scratch, warp, lane, True)
+            anchor = lse_max
+            if lse_max == -cutlass.Float32.inf:
+                anchor = cutlass.Float32(0.0)  # every partial empty: all weights are 0
+            local_sum = cutlass.Float32(0.0)
+            for k in cutlass.range_constexpr(LSE_PER_THREAD):
+                s = tidx + k * THREADS
+                if s < splits:
+                    w = cute.math.exp2(my_lse[k] - anchor, fastmath=True)
+                    weights[s] = w
+                    local_sum += w
+            total = self._block_reduce(local_sum, scratch, warp, lane, False)  # its barriers publish weights
+        inv_total = cutlass.Float32(0.0)
+        if total > cutlass.Float32(0.0):
+            inv_total = cutlass.Float32(1.0) / total
+
+        # 16-byte accesses: every vector starts at a multiple of 4 elements of a 16-byte aligned row.
+        acc = cute.make_rmem_tensor((VEC, self.vecs_per_lane), cutlass.Float32)
+        acc.fill(0.0)
+        for u in cutlass.range_constexpr(self.prefetch):
+            s = warp + u * WARPS
+            if s < splits:
+                weight = weights[wbase + s] * inv_total
+                for k in cutlass.range_constexpr(self.vecs_per_lane):
+                    for i in cutlass.range_constexpr(VEC):
+                        acc[i, k] += weight * pre[i, k, u]
+        part = cute.make_rmem_tensor((VEC, self.vecs_per_lane), cutlass.Float32)
+        for s in cutlass.range(warp + self.prefetch * WARPS, splits, WARPS, unroll=8):  # 8 partials in flight
+            weight = weights[wbase + s] * inv_total
+            src = cute.local_tile(partial_out[first + s, row, None], (self.cols,), (part_of_row,))
+            for k in cutlass.range_constexpr(self.vecs_per_lane):
+                cute.copy(load_atom, cute.local_tile(src, (VEC,), (lane + 32 * k,)), part[None, k])
+            for k in cutlass.range_constexpr(self.vecs_per_lane):
+                for i in cutlass.range_constexpr(VEC):
+                    acc[i, k] += weight * part[i, k]
+        for k in cutlass.range_constexpr(self.vecs_per_lane):
+            for i in cutlass.range_constexpr(VEC):
+                sums[(lane + 32 * k) * VEC + i, warp] = acc[i, k]
+        cute.arch.barrier()
+
+        # Thread t < cols / 2 adds the 8 warps' sums of columns 2t, 2t+1 and stores them as one bf16 pair.
+        if tidx < self.cols // 2:
+            pair = cute.make_rmem_tensor((2,), cutlass.BFloat16)
+            for i in cutlass.range_constexpr(2):
+                column = tidx * 2 + i
+                value = sums[column, 0]
+                for w in cutlass.range_constexpr(1, WARPS):
+                    value += sums[column, w]
+                pair[i] = value.to(cutlass.BFloat16)
+            cute.autovec_copy(pair, cute.local_tile(dst, (2,), (tidx,)))
+        if tidx == 0:
+            if part_of_row == 0:
+                result = -cutlass.Float32.inf
+                if total > cutlass.Float32(0.0):
+                    result = (anchor + cute.math.log2(total)) * LN_2
+                lse[request, row] = result
 
 
 _compiled = {}
@@ -246,11 +411,28 @@ def combine_prefetch_all(batch: int, rows: int, num_sms: int) -> bool:
     return batch * rows * DIM_SPLITS <= num_sms
 
 
-def compile_combine_sm90(rows: int, dim_splits: int = 1, prefetch_all: bool = False):
-    """The compiled combine for `rows` query rows per request, `dim_splits` CTAs per row and the prefetch depth,
-    cached by that static key. Every run-time value (pointers, batch, slots, plan size, stream) is an argument,
-    so this compiles without a GPU."""
-    key = (rows, dim_splits, use_pdl(), bool(prefetch_all))
+def combine_heavy_slots(batch: int, rows: int, num_sms: int, num_ctas: int) -> int:
+    """-1 for row mode (a CTA or DIM_SPLITS CTAs per row); otherwise warp mode, with CTAs for as many heavy
+    requests (more than HEAVY_SPLITS splits) as a plan of num_ctas CTAs can hold: consecutive requests share at
+    most one CTA, so n of them hold at least 32 n + 1.
+
+    Warp mode takes batches of more than WARP_MODE_ROWS_PER_SM rows per SM whose requests have fewer than
+    WARP_MODE_CTAS_PER_REQUEST plan CTAs each on average: a warp merges its row's splits one after the other,
+    which beats a CTA per row only for many rows of few splits. H200, combine alone, row -> warp mode: 8K x B64
+    3.8 -> 2.7 us, 8K x B128 5.8 -> 2.6, q_len 8 128K x B16 (66 plan CTAs) 6.2 -> 4.0-4.3, 128K + 63 x 2K 4.9-5.0
+    -> 2.8; but q_len 1 128K x B16 (8 splits a request) 2.4 -> 3.0, 1M x B16 2.5 -> 3.1, q_len 8 128K x B4 4.1 ->
+    5.7, and 8K x B32 (384 rows) the same alone with steps 1.3-1.7 us slower."""
+    many_rows = batch * rows > WARP_MODE_ROWS_PER_SM * num_sms
+    if not many_rows or num_ctas >= WARP_MODE_CTAS_PER_REQUEST * batch:
+        return -1
+    return num_ctas // HEAVY_SPLITS
+
+
+def compile_combine_sm90(rows: int, dim_splits: int = 1, prefetch_all: bool = False, heavy_slots: int = -1):
+    """The compiled combine for `rows` query rows per request, `dim_splits` CTAs per (heavy) row, the prefetch
+    depth and the mode (heavy_slots -1: row mode, else warp mode), cached by that static key. Every run-time
+    value (pointers, batch, slots, plan size, stream) is an argument, so this compiles without a GPU."""
+    key = (rows, dim_splits, use_pdl(), bool(prefetch_all), int(heavy_slots))
     if key not in _compiled:
         args = (gmem_ptr(cutlass.Float32, 16), gmem_ptr(cutlass.Float32, 4), gmem_ptr(cutlass.BFloat16, 16),
                 gmem_ptr(cutlass.Float32, 4), gmem_ptr(cutlass.Int32, 4), gmem_ptr(cutlass.Int32, 4),
@@ -279,7 +461,13 @@ def run_combine_sm90(plan, partial_out: torch.Tensor, partial_lse: torch.Tensor,
         raise ValueError("partial_out and out must be 16-byte aligned")
     # the SM count, not the plan's CTAs: a plan for two row blocks has half as many CTAs as SMs
     sms = device_sms(out.device)
-    fn = compile_combine_sm90(rows, combine_dim_splits(batch, rows, sms), combine_prefetch_all(batch, rows, sms))
+    heavy_slots = combine_heavy_slots(batch, rows, sms, plan.num_ctas)
+    if heavy_slots < 0:
+        fn = compile_combine_sm90(rows, combine_dim_splits(batch, rows, sms), combine_prefetch_all(batch, rows, sms))
+    else:
+        # the heavy rows in quarters of their columns while those CTAs (rows x DIM_SPLITS) fit one per SM
+        quarters = rows * DIM_SPLITS <= sms
+        fn = compile_combine_sm90(rows, DIM_SPLITS if quarters else 1, False, heavy_slots)
     fn(gmem_ptr(cutlass.Float32, 16, partial_out.data_ptr()), gmem_ptr(cutlass.Float32, 4, partial_lse.data_ptr()),
        gmem_ptr(cutlass.BFloat16, 16, out.data_ptr()), gmem_ptr(cutlass.Float32, 4, lse.data_ptr()),
        gmem_ptr(cutlass.Int32, 4, plan.num_splits.data_ptr()),

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from mla_backend import DecodeWorkspace, plan_splits
-from mla_backend.hopper.combine_sm90 import (DIM_SPLITS, combine_dim_splits, combine_prefetch_all, compile_combine_sm90,
-                                             run_combine_sm90)
+from mla_backend.hopper.combine_sm90 import (DIM_SPLITS, HEAVY_SPLITS, combine_dim_splits, combine_heavy_slots,
+                                             combine_prefetch_all, compile_combine_sm90, run_combine_sm90)
 from mla_backend.reference import merge_partials
 
 
@@ -18,6 +18,29 @@ def test_combine_compiles_for_sm90a(rows, dim_splits):
 @pytest.mark.parametrize("rows", [12, 32])
 def test_combine_prefetching_every_split_compiles_for_sm90a(rows):
     assert compile_combine_sm90(rows, DIM_SPLITS, prefetch_all=True) is not compile_combine_sm90(rows, DIM_SPLITS)
+
+
+@pytest.mark.parametrize("rows,dim_splits,heavy_slots", [(12, DIM_SPLITS, 4), (12, 1, 0), (96, 1, 2), (128, 1, 4)])
+def test_warp_mode_compiles_for_sm90a(rows, dim_splits, heavy_slots):
+    assert compile_combine_sm90(rows, dim_splits, False, heavy_slots) is not compile_combine_sm90(rows, dim_splits)
+
+
+def test_warp_mode_takes_over_for_many_rows_of_few_splits():
+    assert combine_heavy_slots(batch=2, rows=12, num_sms=132, num_ctas=132) == -1  # 24 rows
+    assert combine_heavy_slots(batch=32, rows=12, num_sms=132, num_ctas=132) == -1  # 384 rows
+    assert combine_heavy_slots(batch=64, rows=12, num_sms=132, num_ctas=132) == 4  # 768 rows, ~3 splits each
+    assert combine_heavy_slots(batch=16, rows=96, num_sms=132, num_ctas=66) == 2
+    assert combine_heavy_slots(batch=8, rows=96, num_sms=132, num_ctas=66) == -1  # 768 rows, ~9 splits each
+    assert combine_heavy_slots(batch=64, rows=12, num_sms=132, num_ctas=31) == 0  # no request can pass 31 splits
+
+
+@pytest.mark.parametrize("lengths", [[1 << 20] * 3 + [2048] * 61, [1 << 17] + [4096] * 200 + [0] * 99])
+def test_a_plan_holds_no_more_heavy_requests_than_the_warp_mode_has_room_for(lengths):
+    seq_lens = torch.tensor(lengths, dtype=torch.int32)
+    for num_ctas in (66, 132):
+        plan = plan_splits(seq_lens, q_len=1, num_heads=12, page_size=32, num_ctas=num_ctas)
+        heavy = sum(1 for s in plan.num_splits.tolist() if s > HEAVY_SPLITS)
+        assert heavy <= combine_heavy_slots(len(lengths), 12, 132, num_ctas)
 
 
 def test_every_split_is_prefetched_only_while_the_grid_is_one_cta_per_sm():
@@ -51,7 +74,10 @@ MIXED_LENGTHS = [0, 1, 50000, 64, 300000]
 @pytest.mark.gpu
 @pytest.mark.parametrize("heads,q_len,num_ctas,lengths", [
     (12, 1, 40, MIXED_LENGTHS), (12, 1, 132, MIXED_LENGTHS), (16, 4, 40, MIXED_LENGTHS), (128, 2, 40, MIXED_LENGTHS),
-    (12, 1, 132, [300000, 64]), (12, 1, 132, [1 << 20])])
+    (12, 1, 132, [300000, 64]), (12, 1, 132, [1 << 20]),
+    # warp mode: one heavy request among 63 short ones, three heavy ones, more requests than a CTA has threads
+    (12, 1, 132, [1 << 17] + [2048] * 63), (12, 1, 132, [300000] * 3 + [2048] * 61 + [0, 1]),
+    (12, 8, 66, [300000] * 2 + [700] * 40), (12, 1, 132, [1 << 17] + [300] * 300)])
 def test_combine_matches_reference_merge(heads, q_len, num_ctas, lengths):
     """num_ctas 132 gives the 5 x 12 rows four CTAs each (quarters of the columns), the others one. One or two
     requests at 12 heads make a grid of at most one CTA per SM, whose warps load every split up front (the long
