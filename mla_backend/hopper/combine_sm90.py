@@ -219,6 +219,21 @@ class CombineSplitsSM90:
         return cutlass.min(base, self.heavy_slots)
 
     @cute.jit
+    def _warp_weights(self, partial_lse: cute.Tensor, first, row, splits, lane):
+        """One warp's view of a row's (at most 32) splits, lane s holding split s: the largest LSE (base 2), the
+        lane's weight 2^(lse_s - largest) and the weights' sum."""
+        lse_l = -cutlass.Float32.inf
+        if lane < splits:
+            lse_l = partial_lse[first + lane, row] * LOG2_E
+        anchor = cute.arch.warp_reduction_max(lse_l)
+        if anchor == -cutlass.Float32.inf:
+            anchor = cutlass.Float32(0.0)  # every partial empty: all weights are 0
+        w_l = cutlass.Float32(0.0)
+        if lane < splits:
+            w_l = cute.math.exp2(lse_l - anchor, fastmath=True)
+        return anchor, w_l, cute.arch.warp_reduction_sum(w_l)
+
+    @cute.jit
     def _merge_rows_by_warps(self, partial_out: cute.Tensor, partial_lse: cute.Tensor, out: cute.Tensor,
                              lse: cute.Tensor, num_splits: cute.Tensor, split_offset: cute.Tensor, request, row,
                              lane):
@@ -243,16 +258,7 @@ class CombineSplitsSM90:
                         for k in cutlass.range_constexpr(VECS):
                             cute.copy(load_atom, cute.local_tile(partial_out[first + u, row, None], (VEC,),
                                                                  (lane + 32 * k,)), pre[None, k, u])
-                lse_l = -cutlass.Float32.inf
-                if lane < splits:
-                    lse_l = partial_lse[first + lane, row] * LOG2_E
-                anchor = cute.arch.warp_reduction_max(lse_l)
-                if anchor == -cutlass.Float32.inf:
-                    anchor = cutlass.Float32(0.0)  # every partial empty: all weights are 0
-                w_l = cutlass.Float32(0.0)
-                if lane < splits:
-                    w_l = cute.math.exp2(lse_l - anchor, fastmath=True)
-                total = cute.arch.warp_reduction_sum(w_l)
+                anchor, w_l, total = self._warp_weights(partial_lse, first, row, splits, lane)
                 inv_total = cutlass.Float32(0.0)
                 if total > cutlass.Float32(0.0):
                     inv_total = cutlass.Float32(1.0) / total
@@ -311,17 +317,7 @@ class CombineSplitsSM90:
         total = cutlass.Float32(0.0)
         wbase = cutlass.Int32(0)
         if splits <= 32:
-            lse_l = -cutlass.Float32.inf
-            if lane < splits:
-                lse_l = partial_lse[first + lane, row] * LOG2_E
-            lse_max = cute.arch.warp_reduction_max(lse_l)
-            anchor = lse_max
-            if lse_max == -cutlass.Float32.inf:
-                anchor = cutlass.Float32(0.0)  # every partial empty: all weights are 0
-            w_l = cutlass.Float32(0.0)
-            if lane < splits:
-                w_l = cute.math.exp2(lse_l - anchor, fastmath=True)
-            total = cute.arch.warp_reduction_sum(w_l)
+            anchor, w_l, total = self._warp_weights(partial_lse, first, row, splits, lane)
             wbase = warp * 32
             weights[wbase + lane] = w_l
             cute.arch.sync_warp()
