@@ -8,7 +8,10 @@ position of its first and last tile (the CTA whose cost interval holds it), with
 boundaries. The torch planner stays the definition (and the CPU path); tests check both agree bit for bit.
 
 Static key: (max_batch, num_ctas, tile_tokens, segment_overhead), the plan's fixed shape, so an engine compiles
-it once. Thread t owns requests [t * PER, (t + 1) * PER) for the scans.
+it once. Thread t owns requests [t * PER, (t + 1) * PER) for the first scan. After it the two halves of the CTA
+work apart: warps 0-7 find the CTA boundaries (two binary searches each), warps 8-15 the requests' first CTAs,
+split counts and workspace slots (with a scan of their own over a named barrier). In the same threads one after
+the other, the two paths took ~0.5 us each of a ~2.5 us kernel (H200, parts left out, docs/performance.md).
 """
 
 from __future__ import annotations
@@ -25,6 +28,10 @@ from .cute_utils import cuda_stream, gmem_ptr, pdl_prologue, use_pdl
 
 THREADS = 512
 WARPS = THREADS // 32
+# after the first scan: threads [0, REQUEST_THREAD0) find the CTA boundaries, the rest plan the requests
+REQUEST_THREAD0 = 256
+REQUEST_WARPS = (THREADS - REQUEST_THREAD0) // 32
+REQUEST_BARRIER = 1  # named barrier of the request warps' scan (0 is the CTA's)
 
 
 def _search_steps(n: int) -> int:
@@ -40,6 +47,7 @@ class PlanSplitsSM90:
         self.tile_tokens = tile_tokens
         self.overhead = segment_overhead
         self.per_thread = -(-max_batch // THREADS)
+        self.per_request_thread = -(-max_batch // (THREADS - REQUEST_THREAD0))
 
     @cute.jit
     def __call__(self, p_seq_lens: cute.Pointer, p_cta_tile_start: cute.Pointer, p_cta_first_request: cute.Pointer,
@@ -57,9 +65,11 @@ class PlanSplitsSM90:
                                                       use_pdl=self.pdl)
 
     @cute.jit
-    def _exclusive_scan(self, values, scratch: cute.Tensor, warp, lane):
-        """Block-wide exclusive prefix sums of one or more values per thread, scanned together (one pair of
-        barriers for all): returns [(prefix, total)] in the order of `values`. scratch holds len(values) * WARPS."""
+    def _exclusive_scan(self, values, scratch: cute.Tensor, warp, lane, warps: cutlass.Constexpr = WARPS,
+                        barrier_id: cutlass.Constexpr = 0):
+        """Exclusive prefix sums of one or more values per thread over `warps` warps (warp: 0 to warps - 1; all
+        the CTA's with barrier 0, else a named barrier of those warps), scanned together (one pair of barriers
+        for all): returns [(prefix, total)] in the order of `values`. scratch holds len(values) * warps."""
         n = len(values)
         inclusive = cute.make_rmem_tensor(cute.make_layout((n,)), Int32)
         for j in cutlass.range_constexpr(n):
@@ -72,20 +82,27 @@ class PlanSplitsSM90:
                     inclusive[j] = inclusive[j] + other
         if lane == 31:
             for j in cutlass.range_constexpr(n):
-                scratch[j * WARPS + warp] = inclusive[j]
-        cute.arch.barrier()
+                scratch[j * warps + warp] = inclusive[j]
+        self._sync(warps, barrier_id)
         results = []
         for j in cutlass.range_constexpr(n):
             base = Int32(0)
             total = Int32(0)
-            for w in cutlass.range_constexpr(WARPS):
-                part = scratch[j * WARPS + w]
+            for w in cutlass.range_constexpr(warps):
+                part = scratch[j * warps + w]
                 if w < warp:
                     base = base + part
                 total = total + part
             results.append((base + inclusive[j] - values[j], total))
-        cute.arch.barrier()  # scratch is reused by the next scan
+        self._sync(warps, barrier_id)  # scratch is reused by the next scan
         return results
+
+    @cute.jit
+    def _sync(self, warps: cutlass.Constexpr, barrier_id: cutlass.Constexpr):
+        if cutlass.const_expr(barrier_id == 0):
+            cute.arch.barrier()
+        else:
+            cute.arch.barrier(barrier_id=barrier_id, number_of_threads=warps * 32)
 
     @cute.jit
     def _count_at_most(self, values: cute.Tensor, first: int, count: int, x: Int32) -> Int32:
@@ -151,35 +168,44 @@ class PlanSplitsSM90:
             req_start[B] = total_tiles
         cute.arch.barrier()
 
-        # CTA c starts at cost c * total // N; the tiles that start before it are those of every request before
-        # the last one starting at or before it, plus that one's tiles past its overhead.
         total = total_cost
         if total < N:
             total = Int32(N)  # fewer cost units than CTAs: unit intervals, later CTAs idle
-        for c in cutlass.range(tidx, N + 1, THREADS):
-            bound = ((Int64(c) * Int64(total)) // N).to(Int32)
-            b = self._count_at_most(cost_start, 0, B, bound) - 1
-            inside = bound - cost_start[b] - OVH
-            if inside < 0:
-                inside = Int32(0)
-            if inside > tiles[b]:
-                inside = tiles[b]
-            g = req_start[b] + inside
-            cta_tile_start[c] = g
-            if c < N:
-                first = self._count_at_most(req_start, 1, B, g)
-                if first > B - 1:
-                    first = Int32(B - 1)
-                cta_first_request[c] = first
+        if tidx < REQUEST_THREAD0:
+            # CTA c starts at cost c * total // N; the tiles that start before it are those of every request
+            # before the last one starting at or before it, plus that one's tiles past its overhead.
+            for c in cutlass.range(tidx, N + 1, REQUEST_THREAD0):
+                bound = ((Int64(c) * Int64(total)) // N).to(Int32)
+                b = self._count_at_most(cost_start, 0, B, bound) - 1
+                inside = bound - cost_start[b] - OVH
+                if inside < 0:
+                    inside = Int32(0)
+                if inside > tiles[b]:
+                    inside = tiles[b]
+                g = req_start[b] + inside
+                cta_tile_start[c] = g
+                if c < N:
+                    first = self._count_at_most(req_start, 1, B, g)
+                    if first > B - 1:
+                        first = Int32(B - 1)
+                    cta_first_request[c] = first
+        else:
+            self._plan_requests(tiles, cost_start, req_start, merged, scratch, request_tile_start, request_first_cta,
+                                num_splits, split_offset, total, total_tiles, tidx - REQUEST_THREAD0, lane)
 
-        # Each request's first and last CTA: the CTA whose cost interval [c * total // N, (c + 1) * total // N)
-        # holds the cost position of its first (last) tile, ((p + 1) * N - 1) // total, which is the CTA holding
-        # that tile without a search over the CTA boundaries (and without waiting for them). A request without
-        # tiles takes the position of the next request's first tile (the same cost_start), or the last CTA
-        # when no tile follows. Requests with several splits get workspace slots in order.
+    @cute.jit
+    def _plan_requests(self, tiles: cute.Tensor, cost_start: cute.Tensor, req_start: cute.Tensor, merged: cute.Tensor,
+                       scratch: cute.Tensor, request_tile_start: cute.Tensor, request_first_cta: cute.Tensor,
+                       num_splits: cute.Tensor, split_offset: cute.Tensor, total: Int32, total_tiles: Int32, t, lane):
+        """The request warps (t: 0 to THREADS - REQUEST_THREAD0 - 1): each request's first and last CTA are the
+        CTAs whose cost intervals [c * total // N, (c + 1) * total // N) hold the cost positions of its first
+        (last) tile, ((p + 1) * N - 1) // total: no search over the CTA boundaries and no wait for them. A
+        request without tiles takes the position of the next request's first tile (the same cost_start), or
+        the last CTA when no tile follows. Requests with several splits get workspace slots in order."""
+        B, N, OVH, PER = self.max_batch, self.num_ctas, self.overhead, self.per_request_thread
         my_merged = Int32(0)
         for i in cutlass.range_constexpr(PER):
-            b = tidx * PER + i
+            b = t * PER + i
             if b < B:
                 position = cost_start[b] + OVH
                 first = Int32(N - 1)
@@ -195,14 +221,15 @@ class PlanSplitsSM90:
                     m = splits
                 merged[b] = m
                 my_merged = my_merged + m
-        slots_before, _total_slots = self._exclusive_scan((my_merged,), scratch, warp, lane)[0]
+        slots_before, _total_slots = self._exclusive_scan((my_merged,), scratch, t // 32, lane, REQUEST_WARPS,
+                                                          REQUEST_BARRIER)[0]
         for i in cutlass.range_constexpr(PER):
-            b = tidx * PER + i
+            b = t * PER + i
             if b < B:
                 split_offset[b] = slots_before
                 slots_before = slots_before + merged[b]
                 request_tile_start[b] = req_start[b]
-        if tidx == 0:
+        if t == 0:
             request_tile_start[B] = req_start[B]
 
     @cute.jit
