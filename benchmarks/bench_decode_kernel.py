@@ -51,7 +51,8 @@ def _time_once(fn) -> float:
 
 
 def load_variant(path: str, index: int):
-    """Import a copy of decode_sm90.py as mla_backend.hopper._variant_<index>."""
+    """Import a copy of a module of mla_backend.hopper (decode_sm90.py, plan_splits_sm90.py) as
+    mla_backend.hopper._variant_<index>."""
     import mla_backend.hopper as hopper
 
     name = f"_variant_{index}"
