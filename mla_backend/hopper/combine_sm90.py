@@ -68,8 +68,9 @@ LSE_PER_THREAD = MAX_SPLITS // THREADS
 
 
 class CombineSplitsSM90:
-    """Static configuration: the number of query rows per request (q_len * heads) and the number of CTAs that
-    share a row's 512 columns (1 or DIM_SPLITS)."""
+    """Static configuration: the number of query rows per request (q_len * heads), the number of CTAs that
+    share a row's 512 columns (1 or DIM_SPLITS) and the mode: heavy_slots -1 for row mode, else warp mode with
+    room for that many heavy requests (`combine_heavy_slots`)."""
 
     def __init__(self, rows: int, dim_splits: int = 1, pdl: bool = False, prefetch_all: bool = False,
                  heavy_slots: int = -1):
@@ -158,7 +159,8 @@ class CombineSplitsSM90:
                 # among short ones), at most heavy_slots of them, one after the other
                 part_of_row = c % self.dim_splits
                 row = c // self.dim_splits
-                n_heavy = self._find_heavy(num_splits, split_offset, counts, found, tidx, lane, warp)
+                n_heavy = self._find_heavy(num_splits, split_offset, cute.size(lse, mode=[0]), counts, found, tidx,
+                                           lane, warp)
                 for h in range(n_heavy):
                     self._merge_row(partial_out, partial_lse, out, lse, shared, found[h, 0], row, part_of_row,
                                     found[h, 1], found[h, 2], tidx, lane, warp)
@@ -183,12 +185,12 @@ class CombineSplitsSM90:
                                 tidx, lane, warp)
 
     @cute.jit
-    def _find_heavy(self, num_splits: cute.Tensor, split_offset: cute.Tensor, counts: cute.Tensor,
+    def _find_heavy(self, num_splits: cute.Tensor, split_offset: cute.Tensor, batch, counts: cute.Tensor,
                     found: cute.Tensor, tidx, lane, warp):
         """Warp mode's heavy CTAs: the requests, in request order, with more than HEAVY_SPLITS splits, as (request,
         splits, workspace offset) rows of `found` (at most heavy_slots of them, all a plan can hold); returns how
-        many. One pass over the plan's entries, THREADS at a time, ranked by ballots."""
-        batch = cute.size(num_splits, mode=[0])
+        many. One pass over the plan's first `batch` entries (the output's requests: a plan may hold more),
+        THREADS at a time, ranked by ballots."""
         base = cutlass.Int32(0)
         for i0 in cutlass.range(0, batch, THREADS):
             i = i0 + tidx

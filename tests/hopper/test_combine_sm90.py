@@ -106,3 +106,29 @@ def test_combine_matches_reference_merge(heads, q_len, num_ctas, lengths):
             want_out, want_lse = merge_partials(ws.partial_out[sl], ws.partial_lse[sl])
             torch.testing.assert_close(out[b].float(), want_out, atol=1e-2, rtol=1e-2)
             torch.testing.assert_close(lse[b], want_lse, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
+def test_warp_mode_merges_only_the_outputs_requests_of_a_larger_plan():
+    """A plan may hold more requests than the output (plan.max_batch >= batch): the heavy request past the
+    output's last one is not merged, and the row after `out` (a guard) is never written."""
+    lengths = [2048] * 63 + [1 << 17]  # the last request, with ~66 splits, is heavy
+    seq_lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    plan = plan_splits(seq_lens, q_len=1, num_heads=12, page_size=32, num_ctas=132)
+    batch = len(lengths) - 1
+    assert combine_heavy_slots(batch, 12, 132, plan.num_ctas) > 0 and plan.num_splits[-1].item() > HEAVY_SPLITS
+    ws = DecodeWorkspace.for_plan(plan, 1, 12)
+    ws.partial_out.normal_()
+    ws.partial_lse.normal_(mean=3.0, std=4.0)
+    out_all = torch.full((batch + 1, 1, 12, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
+    lse_all = torch.full((batch + 1, 1, 12), float("nan"), device="cuda")
+    run_combine_sm90(plan, ws.partial_out, ws.partial_lse, out_all[:batch], lse_all[:batch],
+                     torch.cuda.current_stream())
+    assert torch.isnan(out_all[batch].float()).all() and torch.isnan(lse_all[batch]).all()
+    splits, offsets = plan.num_splits.tolist(), plan.split_offset.tolist()
+    for b in range(batch):
+        if splits[b] > 1:
+            sl = slice(offsets[b], offsets[b] + splits[b])
+            want_out, want_lse = merge_partials(ws.partial_out[sl], ws.partial_lse[sl])
+            torch.testing.assert_close(out_all[b].float(), want_out, atol=1e-2, rtol=1e-2)
+            torch.testing.assert_close(lse_all[b], want_lse, atol=1e-5, rtol=1e-5)
