@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 
 import torch
@@ -36,19 +35,10 @@ def parse_case(text: str):
     return batch, kv
 
 
-def kernel_durations_us(graph, reps: int):
-    """Durations (us) of the GPU kernels in `reps` back-to-back replays of `graph`, traced by torch.profiler."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            graph.replay()
-        torch.cuda.synchronize()
-    return [e.time_range.end - e.time_range.start for e in prof.events()
-            if e.device_type == torch.autograd.DeviceType.CUDA]
-
-
 def time_version(module, seq_lens, plan, stream, reps: int) -> float:
+    """Median duration (us) of the planner kernel over `reps` back-to-back replays of a graph holding it."""
+    from bench_decode import trace_kernel_durations
+
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.stream(stream):
         module.run_plan_splits_sm90(seq_lens, plan, stream)  # compiled and warm before the capture
@@ -57,7 +47,7 @@ def time_version(module, seq_lens, plan, stream, reps: int) -> float:
         module.run_plan_splits_sm90(seq_lens, plan, stream)
     graph.replay()
     torch.cuda.synchronize()
-    return statistics.median(kernel_durations_us(graph, reps))
+    return trace_kernel_durations(graph, None, reps)["planner"]
 
 
 def main(argv=None) -> int:
