@@ -13,7 +13,7 @@ once and reduced across the CTA (with at most 32 splits every warp reduces them 
 no CTA barrier precedes the sum), and the 8 warps take every 8th partial each, so about 17 partial rows per
 warp, eight at a time (unrolled), the first 2 (8 with four CTAs per row, all of them, up to 17, while the grid is
 one CTA per SM) loaded before the LSE reductions so that their round trip overlaps the LSEs'; each lane owns
-16-byte vectors of the CTA's 512 or 128 columns.
+16-byte vectors of the CTA's 512 or 128 columns. Such a grid keeps one CTA per SM (`combine_prefetch_all`).
 The warps' sums are added through shared memory at the end.
 
 Warp mode, for batches of many rows with few splits each (`combine_heavy_slots`): a CTA per row costs its
@@ -65,6 +65,9 @@ WARP_MODE_ROWS_PER_SM = 4
 WARP_MODE_CTAS_PER_REQUEST = 6
 WARP_PREFETCH = 3
 LSE_PER_THREAD = MAX_SPLITS // THREADS
+# 4-byte words of unused shared memory that keep a second CTA off the SM (`one_per_sm`): with the ~12 KB of
+# weights and sums a CTA then takes more than half of an H200 SM's 228 KB
+ONE_PER_SM_WORDS = 104 * 1024 // 4
 
 
 class CombineSplitsSM90:
@@ -81,6 +84,7 @@ class CombineSplitsSM90:
         self.cols = LATENT_DIM // dim_splits
         self.vecs_per_lane = self.cols // (32 * VEC)
         self.prefetch = PREFETCH_ALL if prefetch_all else max(2, 8 // self.vecs_per_lane)
+        self.one_per_sm = prefetch_all
         # warp mode (heavy_slots >= 0): rows x dim_splits CTAs for the rows of the requests with more than
         # HEAVY_SPLITS splits (at most heavy_slots of them), then the CTAs of each request's rows, WARPS rows each
         self.warp_rows = heavy_slots >= 0
@@ -142,6 +146,13 @@ class CombineSplitsSM90:
         weights = smem.allocate_tensor(cutlass.Float32, cute.make_layout(MAX_SPLITS), 16)
         scratch = smem.allocate_tensor(cutlass.Float32, cute.make_layout(WARPS), 16)
         sums = smem.allocate_tensor(cutlass.Float32, cute.make_layout((self.cols, WARPS), stride=(1, self.cols)), 16)
+        if cutlass.const_expr(self.one_per_sm):
+            # Shared memory no SM has room for twice, so that a grid of at most one CTA per SM runs on as many SMs:
+            # its CTAs launch (PDL) as the decode's CTAs exit, and several of them on the first SMs to free up
+            # would merge their rows there, one SM's loads for two or more CTAs.
+            spread = smem.allocate_tensor(cutlass.Int32, cute.make_layout(ONE_PER_SM_WORDS), 16)
+            if tidx >= THREADS:  # never: the buffer only has to exist
+                spread[0] = tidx
         shared = (weights, scratch, sums)
         if cutlass.const_expr(self.warp_rows):
             counts = smem.allocate_tensor(cutlass.Int32, cute.make_layout(WARPS), 16)
@@ -405,7 +416,10 @@ def combine_prefetch_all(batch: int, rows: int, num_sms: int) -> bool:
     """Whether every warp loads its first PREFETCH_ALL partials before the LSE reductions: while the grid (with
     DIM_SPLITS CTAs per row) is at most one CTA per SM, the small batches whose requests have the most splits.
     H200, steps in alternating runs: H12 q_len 1 128K x B1 34.1-34.5 -> 31.9-32.3 us, 1M x B1 155.0-158.6 ->
-    153.4-156.5."""
+    153.4-156.5. Such a grid also keeps to one CTA per SM (`ONE_PER_SM_WORDS`): its CTAs start as the decode's
+    CTAs exit, and two on each of the first SMs to free up merged their rows on half as many SMs (three alternating
+    rounds, steps: 128K x B1 31.8-32.0 -> 31.4-31.5 us, 128K x B2 49.7-50.0 -> 49.2-49.5, 1M x B1 154.4-154.7 ->
+    153.8-153.9)."""
     return batch * rows * DIM_SPLITS <= num_sms
 
 
