@@ -381,7 +381,7 @@ def run_case(case: Case, bandwidth: float, fp8_flops: float, reps: int, check: b
     from mla_backend.hopper.combine_sm90 import run_combine_sm90
 
     def combine_only():
-        run_combine_sm90(plan, ws.partial_out, ws.partial_lse, out, lse, torch.cuda.current_stream())
+        run_combine_sm90(plan, ws.partial_out, ws.partial_lse, out, lse, k_scale, torch.cuda.current_stream())
 
     for key, fn in (("planner_us", lambda: inp.plan_step(case)), ("combine_us", combine_only)):
         part = capture(fn)

@@ -83,7 +83,7 @@ def run_parts(case: Case, reps: int, kv_pool) -> dict:
                         stream=torch.cuda.current_stream())
 
     def combine():
-        run_combine_sm90(inp.plan, inp.ws.partial_out, inp.ws.partial_lse, inp.out, inp.lse,
+        run_combine_sm90(inp.plan, inp.ws.partial_out, inp.ws.partial_lse, inp.out, inp.lse, inp.k_scale,
                          torch.cuda.current_stream())
 
     pieces = {"step": (plan, decode, combine), "no combine": (plan, decode), "no planner": (decode, combine),

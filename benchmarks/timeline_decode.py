@@ -73,7 +73,7 @@ def _tl_store(addr, val, *, loc=None, ip=None):
 '''
 _BASE_ANCHOR = "        b = mCtaFirstReq[cta]\n        if wg == 2:\n"
 _BASE = (f"        tl_base = mPOut.iterator.toint() + cutlass.Int64(cute.size(mPOut, mode=[2]) - 1) * cutlass.Int64("
-         f"R * 512 * 4) + cutlass.Int64((rb * {TL_CTAS} + cta) * {TL_CHUNKS * TL_SLOTS * 4})\n"
+         f"R * 512 * (mPOut.element_type.width // 8)) + cutlass.Int64((rb * {TL_CTAS} + cta) * {TL_CHUNKS * TL_SLOTS * 4})\n"
          f"        tl_on = cta < {TL_CTAS}\n")
 
 
@@ -195,7 +195,8 @@ def main(argv=None) -> int:
         inp = bk.make_inputs(*case)
         ws = inp["ws"]
         # one spare slot past the plan's: the stamps go there
-        p_out = torch.zeros((ws.partial_out.shape[0] + 1,) + tuple(ws.partial_out.shape[1:]), device="cuda")
+        p_out = torch.zeros((ws.partial_out.shape[0] + 1,) + tuple(ws.partial_out.shape[1:]),
+                            dtype=ws.partial_out.dtype, device="cuda")
         p_lse = torch.zeros((ws.partial_lse.shape[0] + 1,) + tuple(ws.partial_lse.shape[1:]), device="cuda")
         batch, q_len, heads, _ = inp["q"].shape
         out = torch.empty(batch, q_len, heads, 512, dtype=torch.bfloat16, device="cuda")

@@ -27,7 +27,8 @@ class DecodeWorkspace:
     """
 
     def __init__(self, num_slots: int, q_len: int, num_heads: int, device):
-        self.partial_out = torch.empty(num_slots, q_len, num_heads, LATENT_DIM, dtype=torch.float32, device=device)
+        # fp16 in units of k_scale (mla_backend.hopper.combine_sm90): half the bytes the combine reads
+        self.partial_out = torch.empty(num_slots, q_len, num_heads, LATENT_DIM, dtype=torch.float16, device=device)
         self.partial_lse = torch.empty(num_slots, q_len, num_heads, dtype=torch.float32, device=device)
 
     @classmethod
@@ -127,7 +128,7 @@ def _decode_cuda(q, kv_cache, block_table, seq_lens, q_scale, k_scale, plan, out
     stream = torch.cuda.current_stream(q.device)
     run_decode_sm90(q, kv_cache, block_table, seq_lens, softmax_scale, q_scale, k_scale, plan, out, lse,
                     partial_out, partial_lse, causal=causal, stream=stream)
-    run_combine_sm90(plan, partial_out, partial_lse, out, lse, stream=stream)
+    run_combine_sm90(plan, partial_out, partial_lse, out, lse, k_scale, stream=stream)
 
 
 def mla_decode(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, *, softmax_scale: float,
@@ -170,7 +171,7 @@ def mla_decode(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tenso
     tile_tokens = plan.tile_tokens if plan is not None else 0
     overhead = plan.segment_overhead if plan is not None else 0
     if workspace is None:
-        partial_out = torch.empty(0, dtype=torch.float32, device=q.device)
+        partial_out = torch.empty(0, dtype=torch.float16, device=q.device)
         partial_lse = torch.empty(0, dtype=torch.float32, device=q.device)
     else:
         partial_out, partial_lse = workspace.partial_out, workspace.partial_lse

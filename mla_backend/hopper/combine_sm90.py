@@ -13,7 +13,8 @@ once and reduced across the CTA (with at most 32 splits every warp reduces them 
 no CTA barrier precedes the sum), and the 8 warps take every 8th partial each, so about 17 partial rows per
 warp, eight at a time (unrolled), the first 2 (8 with four CTAs per row, all of them, up to 17, while the grid is
 one CTA per SM) loaded before the LSE reductions so that their round trip overlaps the LSEs'; each lane owns
-16-byte vectors of the CTA's 512 or 128 columns. Such a grid keeps one CTA per SM (`combine_prefetch_all`).
+4-element vectors (8 bytes of fp16) of the CTA's 512 or 128 columns. Such a grid keeps one CTA per SM
+(`combine_prefetch_all`).
 The warps' sums are added through shared memory at the end.
 
 Warp mode, for batches of many rows with few splits each (`combine_heavy_slots`): a CTA per row costs its
@@ -23,8 +24,13 @@ with at most HEAVY_SPLITS splits; the few requests with more (a plan of N CTAs h
 merged row by row by rows x DIM_SPLITS (or x 1) CTAs of their own at the front of the grid, which find them with
 one ballot pass over the plan.
 
-out = sum_s exp(lse_s - lse) * O_s, lse = log(sum_s exp(lse_s)), computed in base 2; a row whose partials
-are all empty (lse -inf) gets out = 0 and lse = -inf.
+out = v_scale * sum_s exp(lse_s - lse) * O_s, lse = log(sum_s exp(lse_s)), computed in base 2; a row whose
+partials are all empty (lse -inf) gets out = 0 and lse = -inf.
+
+The partials O_s are fp16 in units of the V scale (the decode's k_scale, read here from the same device tensor):
+each is a convex combination of e4m3 values (|x| <= 448), which fp16 holds to 2^-11 relative, well inside the
+bf16 output's 2^-8, and whatever the scale. In fp32 they were twice the bytes, which the combine reads from the
+L2 at close to its bandwidth when rows have several splits each (q_len 8 x B16: ~16 MB of fp32 partials).
 """
 
 from __future__ import annotations
@@ -44,7 +50,7 @@ LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
 WARPS = 8
 THREADS = 32 * WARPS
-VEC = 4  # fp32 per 16-byte access
+VEC = 4  # partial elements per access (fp16: 8 bytes)
 # Small batches merge each row with DIM_SPLITS CTAs, each over a quarter of the 512 output columns (each
 # recomputes the split weights: a few hundred floats). One CTA per (request, row) gave B1 12 CTAs on 132 SMs,
 # each reading all of the row's ~130 partials: ~8 us of a 1M-token step. With more rows than SMs the quarters
@@ -68,6 +74,8 @@ LSE_PER_THREAD = MAX_SPLITS // THREADS
 # 4-byte words of unused shared memory that keep a second CTA off the SM (`one_per_sm`): with the ~12 KB of
 # weights and sums a CTA then takes more than half of an H200 SM's 228 KB
 ONE_PER_SM_WORDS = 104 * 1024 // 4
+PARTIAL = cutlass.Float16  # the partials' type (module docstring)
+VEC_BITS = VEC * 16
 
 
 class CombineSplitsSM90:
@@ -93,8 +101,9 @@ class CombineSplitsSM90:
 
     @cute.jit
     def __call__(self, p_partial_out: cute.Pointer, p_partial_lse: cute.Pointer, p_out: cute.Pointer,
-                 p_lse: cute.Pointer, p_num_splits: cute.Pointer, p_split_offset: cute.Pointer, batch: cutlass.Int32,
-                 num_slots: cutlass.Int32, max_batch: cutlass.Int32, stream):
+                 p_lse: cute.Pointer, p_num_splits: cute.Pointer, p_split_offset: cute.Pointer,
+                 p_v_scale: cute.Pointer, batch: cutlass.Int32, num_slots: cutlass.Int32, max_batch: cutlass.Int32,
+                 stream):
         # Raw pointers plus the outer extents, not framework tensors: converting six torch tensors per call
         # cost tens of microseconds of host time in eager use. The inner strides stay compile-time constants.
         R = self.rows
@@ -105,10 +114,11 @@ class CombineSplitsSM90:
         lse = cute.make_tensor(p_lse, cute.make_layout((batch, R), stride=(R, 1)))
         num_splits = cute.make_tensor(p_num_splits, cute.make_layout((max_batch,)))
         split_offset = cute.make_tensor(p_split_offset, cute.make_layout((max_batch,)))
+        v_scale = cute.make_tensor(p_v_scale, cute.make_layout((1,)))
         grid = [batch, R, self.dim_splits]
         if cutlass.const_expr(self.warp_rows):
             grid = [self._heavy_ctas() + batch * self.row_groups, 1, 1]
-        self.kernel(partial_out, partial_lse, out, lse, num_splits, split_offset).launch(
+        self.kernel(partial_out, partial_lse, out, lse, num_splits, split_offset, v_scale).launch(
             grid=grid, block=[THREADS, 1, 1], stream=stream, use_pdl=self.pdl)
 
     def _heavy_ctas(self) -> int:
@@ -136,8 +146,9 @@ class CombineSplitsSM90:
 
     @cute.kernel
     def kernel(self, partial_out: cute.Tensor, partial_lse: cute.Tensor, out: cute.Tensor, lse: cute.Tensor,
-               num_splits: cute.Tensor, split_offset: cute.Tensor):
+               num_splits: cute.Tensor, split_offset: cute.Tensor, v_scale_t: cute.Tensor):
         pdl_prologue(self.pdl)
+        v_scale = v_scale_t[0]
         tidx, _, _ = cute.arch.thread_idx()
         lane = tidx % 32
         warp = tidx // 32
@@ -163,7 +174,7 @@ class CombineSplitsSM90:
             heavy = self._heavy_ctas()
             if c >= heavy:
                 c = c - heavy
-                self._merge_rows_by_warps(partial_out, partial_lse, out, lse, num_splits, split_offset,
+                self._merge_rows_by_warps(partial_out, partial_lse, out, lse, num_splits, split_offset, v_scale,
                                           c // self.row_groups, (c % self.row_groups) * WARPS + warp, lane)
             else:
                 # one CTA per (row, column quarter) of every heavy request: usually one request (a long one
@@ -173,8 +184,8 @@ class CombineSplitsSM90:
                 n_heavy = self._find_heavy(num_splits, split_offset, cute.size(lse, mode=[0]), counts, found, tidx,
                                            lane, warp)
                 for h in range(n_heavy):
-                    self._merge_row(partial_out, partial_lse, out, lse, shared, found[h, 0], row, part_of_row,
-                                    found[h, 1], found[h, 2], tidx, lane, warp)
+                    self._merge_row(partial_out, partial_lse, out, lse, shared, v_scale, found[h, 0], row,
+                                    part_of_row, found[h, 1], found[h, 2], tidx, lane, warp)
                     cute.arch.barrier()  # the shared sums and weights are reused by the next request
         else:
             request, row, part_of_row = cute.arch.block_idx()
@@ -192,8 +203,8 @@ class CombineSplitsSM90:
                     if part_of_row == 0:
                         lse[request, row] = -cutlass.Float32.inf
             if splits > 1:
-                self._merge_row(partial_out, partial_lse, out, lse, shared, request, row, part_of_row, splits, first,
-                                tidx, lane, warp)
+                self._merge_row(partial_out, partial_lse, out, lse, shared, v_scale, request, row, part_of_row,
+                                splits, first, tidx, lane, warp)
 
     @cute.jit
     def _find_heavy(self, num_splits: cute.Tensor, split_offset: cute.Tensor, batch, counts: cute.Tensor,
@@ -248,10 +259,10 @@ class CombineSplitsSM90:
 
     @cute.jit
     def _merge_rows_by_warps(self, partial_out: cute.Tensor, partial_lse: cute.Tensor, out: cute.Tensor,
-                             lse: cute.Tensor, num_splits: cute.Tensor, split_offset: cute.Tensor, request, row,
-                             lane):
+                             lse: cute.Tensor, num_splits: cute.Tensor, split_offset: cute.Tensor, v_scale, request,
+                             row, lane):
         """Warp mode: this warp's row of `request`, if the request has at most HEAVY_SPLITS splits (lane s holds
-        split s's LSE and weight; the lane owns the 16-byte vectors lane + 32 k of the 512 columns)."""
+        split s's LSE and weight; the lane owns the 4-element vectors lane + 32 k of the 512 columns)."""
         VECS = LATENT_DIM // (32 * VEC)
         splits = num_splits[request]
         first = split_offset[request]
@@ -264,8 +275,8 @@ class CombineSplitsSM90:
                 if lane == 0:
                     lse[request, row] = -cutlass.Float32.inf
             if splits > 1 and splits <= HEAVY_SPLITS:
-                load_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), cutlass.Float32, num_bits_per_copy=128)
-                pre = cute.make_rmem_tensor((VEC, VECS, WARP_PREFETCH), cutlass.Float32)
+                load_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), PARTIAL, num_bits_per_copy=VEC_BITS)
+                pre = cute.make_rmem_tensor((VEC, VECS, WARP_PREFETCH), PARTIAL)
                 for u in cutlass.range_constexpr(WARP_PREFETCH):
                     if u < splits:
                         for k in cutlass.range_constexpr(VECS):
@@ -274,7 +285,7 @@ class CombineSplitsSM90:
                 anchor, w_l, total = self._warp_weights(partial_lse, first, row, splits, lane)
                 inv_total = cutlass.Float32(0.0)
                 if total > cutlass.Float32(0.0):
-                    inv_total = cutlass.Float32(1.0) / total
+                    inv_total = v_scale / total
                 acc = cute.make_rmem_tensor((VEC, VECS), cutlass.Float32)
                 acc.fill(0.0)
                 for u in cutlass.range_constexpr(WARP_PREFETCH):
@@ -282,8 +293,8 @@ class CombineSplitsSM90:
                         weight = cute.arch.shuffle_sync(w_l, u) * inv_total
                         for k in cutlass.range_constexpr(VECS):
                             for i in cutlass.range_constexpr(VEC):
-                                acc[i, k] += weight * pre[i, k, u]
-                part = cute.make_rmem_tensor((VEC, VECS), cutlass.Float32)
+                                acc[i, k] += weight * pre[i, k, u].to(cutlass.Float32)
+                part = cute.make_rmem_tensor((VEC, VECS), PARTIAL)
                 for s in cutlass.range(WARP_PREFETCH, splits, 1, unroll=4):
                     weight = cute.arch.shuffle_sync(w_l, s) * inv_total
                     for k in cutlass.range_constexpr(VECS):
@@ -291,7 +302,7 @@ class CombineSplitsSM90:
                                                              (lane + 32 * k,)), part[None, k])
                     for k in cutlass.range_constexpr(VECS):
                         for i in cutlass.range_constexpr(VEC):
-                            acc[i, k] += weight * part[i, k]
+                            acc[i, k] += weight * part[i, k].to(cutlass.Float32)
                 vals = cute.make_rmem_tensor((VEC,), cutlass.BFloat16)
                 for k in cutlass.range_constexpr(VECS):
                     for i in cutlass.range_constexpr(VEC):
@@ -305,16 +316,16 @@ class CombineSplitsSM90:
 
     @cute.jit
     def _merge_row(self, partial_out: cute.Tensor, partial_lse: cute.Tensor, out: cute.Tensor, lse: cute.Tensor,
-                   shared, request, row, part_of_row, splits, first, tidx, lane, warp):
+                   shared, v_scale, request, row, part_of_row, splits, first, tidx, lane, warp):
         """The whole CTA merges the `splits` (> 1) partials of one row of `request`, over its columns (a quarter
         of them with DIM_SPLITS CTAs per row)."""
         dst = cute.local_tile(out[request, row, None], (self.cols,), (part_of_row,))  # this CTA's columns
         weights, scratch, sums = shared
-        load_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), cutlass.Float32, num_bits_per_copy=128)
+        load_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), PARTIAL, num_bits_per_copy=VEC_BITS)
 
         # The warp's first PREFETCH partials go in flight before the LSE reductions: their addresses need only
         # the plan, so the partials' round trip overlaps the LSEs' instead of following it.
-        pre = cute.make_rmem_tensor((VEC, self.vecs_per_lane, self.prefetch), cutlass.Float32)
+        pre = cute.make_rmem_tensor((VEC, self.vecs_per_lane, self.prefetch), PARTIAL)
         for u in cutlass.range_constexpr(self.prefetch):
             s = warp + u * WARPS
             if s < splits:
@@ -360,9 +371,9 @@ class CombineSplitsSM90:
             total = self._block_reduce(local_sum, scratch, warp, lane, False)  # its barriers publish weights
         inv_total = cutlass.Float32(0.0)
         if total > cutlass.Float32(0.0):
-            inv_total = cutlass.Float32(1.0) / total
+            inv_total = v_scale / total
 
-        # 16-byte accesses: every vector starts at a multiple of 4 elements of a 16-byte aligned row.
+        # 8-byte accesses: every vector starts at a multiple of 4 elements of a 16-byte aligned row.
         acc = cute.make_rmem_tensor((VEC, self.vecs_per_lane), cutlass.Float32)
         acc.fill(0.0)
         for u in cutlass.range_constexpr(self.prefetch):
@@ -371,8 +382,8 @@ class CombineSplitsSM90:
                 weight = weights[wbase + s] * inv_total
                 for k in cutlass.range_constexpr(self.vecs_per_lane):
                     for i in cutlass.range_constexpr(VEC):
-                        acc[i, k] += weight * pre[i, k, u]
-        part = cute.make_rmem_tensor((VEC, self.vecs_per_lane), cutlass.Float32)
+                        acc[i, k] += weight * pre[i, k, u].to(cutlass.Float32)
+        part = cute.make_rmem_tensor((VEC, self.vecs_per_lane), PARTIAL)
         for s in cutlass.range(warp + self.prefetch * WARPS, splits, WARPS, unroll=8):  # 8 partials in flight
             weight = weights[wbase + s] * inv_total
             src = cute.local_tile(partial_out[first + s, row, None], (self.cols,), (part_of_row,))
@@ -380,7 +391,7 @@ class CombineSplitsSM90:
                 cute.copy(load_atom, cute.local_tile(src, (VEC,), (lane + 32 * k,)), part[None, k])
             for k in cutlass.range_constexpr(self.vecs_per_lane):
                 for i in cutlass.range_constexpr(VEC):
-                    acc[i, k] += weight * part[i, k]
+                    acc[i, k] += weight * part[i, k].to(cutlass.Float32)
         for k in cutlass.range_constexpr(self.vecs_per_lane):
             for i in cutlass.range_constexpr(VEC):
                 sums[(lane + 32 * k) * VEC + i, warp] = acc[i, k]
@@ -446,19 +457,20 @@ def compile_combine_sm90(rows: int, dim_splits: int = 1, prefetch_all: bool = Fa
     value (pointers, batch, slots, plan size, stream) is an argument, so this compiles without a GPU."""
     key = (rows, dim_splits, use_pdl(), bool(prefetch_all), int(heavy_slots))
     if key not in _compiled:
-        args = (gmem_ptr(cutlass.Float32, 16), gmem_ptr(cutlass.Float32, 4), gmem_ptr(cutlass.BFloat16, 16),
+        args = (gmem_ptr(PARTIAL, 16), gmem_ptr(cutlass.Float32, 4), gmem_ptr(cutlass.BFloat16, 16),
                 gmem_ptr(cutlass.Float32, 4), gmem_ptr(cutlass.Int32, 4), gmem_ptr(cutlass.Int32, 4),
-                cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(1), cuda_stream())
+                gmem_ptr(cutlass.Float32, 4), cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(1), cuda_stream())
         _compiled[key] = cute.compile(CombineSplitsSM90(*key), *args)
     return _compiled[key]
 
 
 def run_combine_sm90(plan, partial_out: torch.Tensor, partial_lse: torch.Tensor, out: torch.Tensor,
-                     lse: torch.Tensor, stream: torch.cuda.Stream):
+                     lse: torch.Tensor, v_scale: torch.Tensor, stream: torch.cuda.Stream):
     """Merge the partials of every split request into `out` (bf16) and `lse` (natural log).
 
-    partial_out fp32 [slots, q_len, H, 512], partial_lse fp32 [slots, q_len, H], out bf16 [batch, q_len, H, 512],
-    lse fp32 [batch, q_len, H], all contiguous; the plan's num_splits / split_offset int32 [max_batch >= batch]."""
+    partial_out fp16 [slots, q_len, H, 512] in units of v_scale (fp32 [1] on the device: the decode's k_scale),
+    partial_lse fp32 [slots, q_len, H], out bf16 [batch, q_len, H, 512], lse fp32 [batch, q_len, H], all
+    contiguous; the plan's num_splits / split_offset int32 [max_batch >= batch]."""
     batch, q_len, heads, _ = out.shape
     rows = q_len * heads
     if batch == 0:
@@ -471,6 +483,10 @@ def run_combine_sm90(plan, partial_out: torch.Tensor, partial_lse: torch.Tensor,
         raise ValueError("partial_out, partial_lse, out, lse and the plan's tensors must be contiguous")
     if partial_out.data_ptr() % 16 or out.data_ptr() % 16:
         raise ValueError("partial_out and out must be 16-byte aligned")
+    if partial_out.dtype != torch.float16:
+        raise ValueError(f"partial_out must be float16 (DecodeWorkspace), got {partial_out.dtype}")
+    if v_scale.dtype != torch.float32 or v_scale.numel() != 1 or v_scale.device != out.device:
+        raise ValueError("v_scale must be a float32 tensor of one element on the output's device")
     # the SM count, not the plan's CTAs: a plan for two row blocks has half as many CTAs as SMs
     sms = device_sms(out.device)
     heavy_slots = combine_heavy_slots(batch, rows, sms, plan.num_ctas)
@@ -480,9 +496,10 @@ def run_combine_sm90(plan, partial_out: torch.Tensor, partial_lse: torch.Tensor,
         # the heavy rows in quarters of their columns while those CTAs (rows x DIM_SPLITS) fit one per SM
         quarters = rows * DIM_SPLITS <= sms
         fn = compile_combine_sm90(rows, DIM_SPLITS if quarters else 1, False, heavy_slots)
-    fn(gmem_ptr(cutlass.Float32, 16, partial_out.data_ptr()), gmem_ptr(cutlass.Float32, 4, partial_lse.data_ptr()),
+    fn(gmem_ptr(PARTIAL, 16, partial_out.data_ptr()), gmem_ptr(cutlass.Float32, 4, partial_lse.data_ptr()),
        gmem_ptr(cutlass.BFloat16, 16, out.data_ptr()), gmem_ptr(cutlass.Float32, 4, lse.data_ptr()),
        gmem_ptr(cutlass.Int32, 4, plan.num_splits.data_ptr()),
-       gmem_ptr(cutlass.Int32, 4, plan.split_offset.data_ptr()), cutlass.Int32(batch),
+       gmem_ptr(cutlass.Int32, 4, plan.split_offset.data_ptr()), gmem_ptr(cutlass.Float32, 4, v_scale.data_ptr()),
+       cutlass.Int32(batch),
        cutlass.Int32(max(partial_lse.numel() // rows, 1)), cutlass.Int32(plan.num_splits.shape[0]),
        cuda_stream(stream))

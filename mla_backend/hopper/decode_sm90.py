@@ -6,7 +6,7 @@ Grid (num_row_blocks, num_ctas). CTA (rb, c) walks the global KV tiles [cta_tile
 of the split plan (`mla_backend.planner`), cut into segments = (request b, local tiles [t0, t1)). For each segment
 it attends the query rows [rb*ROWS, rb*ROWS + ROWS) of request b (row r = t*H + h of q[b].view(R, 576)) over the
 tokens [t0*T, min(t1*T, L_b)), with causal masking j <= L_b - q_len + t, and writes either the final bf16 output
-and natural-log lse (num_splits[b] == 1) or an fp32 partial into workspace slot
+and natural-log lse (num_splits[b] == 1) or an fp16 partial (in units of k_scale) into workspace slot
 split_offset[b] + c - request_first_cta[b] (the combine kernel merges those). The row block is the fastest grid
 index so that the row blocks of one plan CTA run side by side and read each KV tile from L2 after the first.
 
@@ -118,7 +118,7 @@ from typing import Optional
 import cutlass
 import cutlass.memory
 import cutlass.cute as cute
-from cutlass import Float32, Int32
+from cutlass import Float16, Float32, Int32
 from cutlass.cute.nvgpu import cpasync
 
 from ..shapes import default_rows_per_block
@@ -941,16 +941,17 @@ class MLADecodeSM90:
     def _write_rows(self, acc_O: cute.Tensor, sInvL: cute.Tensor, mOut: cute.Tensor, mPOut: cute.Tensor, row0: Int32,
                     b: Int32, split, slot: Int32, wg: Int32, wl: Int32, lg: Int32, lt: Int32,
                     num_o_tiles: cutlass.Constexpr):
-        """This thread's output rows, scaled by sInvL: the final bf16 output of request b, or the fp32 partial of
+        """This thread's output rows, scaled by sInvL: the final bf16 output of request b, or the fp16 partial of
         workspace slot `slot` when the request is split."""
         R = self.num_rows
         ROWS = self.rows
         NA = ROWS // 2
         # lane (g, t) of warp wl holds, per tile and row 8j + 2 lt + e, the dims
-        # (d0 + 2 lg, d0 + 2 lg + 1): one 8-byte (fp32) or 4-byte (bf16) store each. Ping-pong: warpgroup wg
+        # (d0 + 2 lg, d0 + 2 lg + 1): one 4-byte store each (an fp16 or a bf16 pair). Ping-pong: warpgroup wg
         # writes dims [256 wg, 256 wg + 256), like the split schedule.
         o2 = cute.make_rmem_tensor(cute.make_layout((2,)), Float32)
         o2_bf16 = cute.make_rmem_tensor(cute.make_layout((2,)), BF16)
+        o2_f16 = cute.make_rmem_tensor(cute.make_layout((2,)), Float16)
         for j in cutlass.range_constexpr(ROWS // 8):
             for e in cutlass.range_constexpr(2):
                 orow = 8 * j + 2 * lt + e
@@ -968,8 +969,9 @@ class MLADecodeSM90:
                             o2[1] = acc_O[t * NA + 4 * j + 2 + e] * inv
                             pair = tile * 32 + wl * 8 + lg  # dims [2 pair, 2 pair + 2)
                             if split:
-                                cute.autovec_copy(o2, cute.local_tile(mPOut[None, row0 + orow, slot], (2,),
-                                                                      (pair,)))
+                                o2_f16.store(o2.load().to(Float16))
+                                cute.autovec_copy(o2_f16, cute.local_tile(mPOut[None, row0 + orow, slot], (2,),
+                                                                          (pair,)))
                             else:
                                 o2_bf16.store(o2.load().to(BF16))
                                 cute.autovec_copy(o2_bf16, cute.local_tile(mOut[None, row0 + orow, b], (2,),
@@ -1168,8 +1170,13 @@ class MLADecodeSM90:
         output 0."""
         inv_l = Float32(0.0)
         lse = -Float32.inf
+        # A partial stays in units of the V scale (k_scale), so that fp16 holds it whatever the scale: it is a
+        # convex combination of e4m3 values, |x| <= 448. The combine applies k_scale.
+        v_scale = k_scale
+        if split:
+            v_scale = Float32(1.0)
         if l > Float32(0.0):
-            inv_l = k_scale / (l * P_SCALE)
+            inv_l = v_scale / (l * P_SCALE)
             lse = (m + cute.math.log2(l, fastmath=True)) * LN2
         sInvL[srow] = inv_l
         if srow_g < self.num_rows:
@@ -1353,7 +1360,7 @@ def compile_decode_sm90(num_heads: int, q_len: int, page_size: int, tile_tokens:
     args = (
         ptr(FP8, 16), ptr(FP8, 16), ptr(Int32, 4), ptr(Int32, 4), ptr(Float32, 4), ptr(Float32, 4),
         ptr(Int32, 4), ptr(Int32, 4), ptr(Int32, 4), ptr(Int32, 4), ptr(Int32, 4), ptr(Int32, 4),
-        ptr(BF16, 16), ptr(Float32, 4), ptr(Float32, 16), ptr(Float32, 4),
+        ptr(BF16, 16), ptr(Float32, 4), ptr(Float16, 16), ptr(Float32, 4),
         Int32(1), Int32(1), Int32(1), Int32(1), Int32(1), Int32(1), Int32(1), Int32(1), Float32(1.0),
         cuda_stream(),
     )
@@ -1383,8 +1390,9 @@ def run_decode_sm90(q, kv_cache, block_table, seq_lens, softmax_scale, q_scale, 
     unit stride on the 576 bytes, row stride 576 and a page stride that is a multiple of 16 bytes;
     block_table int32 [B, max_pages] with unit column stride; seq_lens int32 [B]; q_scale/k_scale float32 [1]
     on the device; plan a `SplitPlan` (its six int32 tensors are read on the device only); out bf16
-    [B, q_len, H, 512], lse fp32 [B, q_len, H], partial_out fp32 [num_slots, q_len, H, 512], partial_lse fp32
-    [num_slots, q_len, H], all contiguous. `stream` is a torch.cuda.Stream (default: the current stream).
+    [B, q_len, H, 512], lse fp32 [B, q_len, H], partial_out fp16 [num_slots, q_len, H, 512] (in units of
+    k_scale, `_finish_row`), partial_lse fp32 [num_slots, q_len, H], all contiguous. `stream` is a
+    torch.cuda.Stream (default: the current stream).
     """
     import torch
 
@@ -1402,6 +1410,8 @@ def run_decode_sm90(q, kv_cache, block_table, seq_lens, softmax_scale, q_scale, 
     if not (q.is_contiguous() and out.is_contiguous() and lse.is_contiguous() and partial_out.is_contiguous()
             and partial_lse.is_contiguous()):
         raise ValueError("q, out, lse, partial_out and partial_lse must be contiguous")
+    if partial_out.numel() and partial_out.dtype != torch.float16:
+        raise ValueError(f"partial_out must be float16 (DecodeWorkspace), got {partial_out.dtype}")
     fn = compile_decode_sm90(num_heads, q_len, page_size, tile, causal, rows_per_block, pingpong=pingpong,
                              p_planes=p_planes)
     num_ctas = cta_first_request.shape[0]
@@ -1424,7 +1434,7 @@ def run_decode_sm90(q, kv_cache, block_table, seq_lens, softmax_scale, q_scale, 
         gmem_ptr(Int32, 4, split_offset.data_ptr()),
         gmem_ptr(BF16, 16, out.data_ptr()),
         gmem_ptr(Float32, 4, lse.data_ptr()),
-        gmem_ptr(Float32, 16, partial_out.data_ptr()),
+        gmem_ptr(Float16, 16, partial_out.data_ptr()),
         gmem_ptr(Float32, 4, partial_lse.data_ptr()),
         Int32(batch), Int32(num_pages), Int32(kv_cache.stride(0) // 16), Int32(block_table.stride(0)),
         Int32(block_table.shape[1]),

@@ -65,7 +65,23 @@ def test_launcher_rejects_strided_buffers_before_launching():
     out = torch.zeros(2, 1, 24, 512, dtype=torch.bfloat16)[:, :, ::2]
     lse = torch.zeros(2, 1, 12)
     with pytest.raises(ValueError, match="contiguous"):
-        run_combine_sm90(plan, ws.partial_out, ws.partial_lse, out, lse, None)
+        run_combine_sm90(plan, ws.partial_out, ws.partial_lse, out, lse, torch.ones(1), None)
+
+
+def test_launcher_rejects_fp32_partials_and_a_bad_v_scale():
+    """The kernel reads the partials as fp16 and the V scale as one fp32 on the device; anything else would be
+    read as garbage, so the launcher refuses it by name."""
+    seq_lens = torch.tensor([50000, 64], dtype=torch.int32)
+    plan = plan_splits(seq_lens, q_len=1, num_heads=12, page_size=32, num_ctas=40)
+    ws = DecodeWorkspace.for_plan(plan, 1, 12)
+    assert ws.partial_out.dtype == torch.float16
+    out = torch.zeros(2, 1, 12, 512, dtype=torch.bfloat16)
+    lse = torch.zeros(2, 1, 12)
+    with pytest.raises(ValueError, match="partial_out must be float16"):
+        run_combine_sm90(plan, ws.partial_out.float(), ws.partial_lse, out, lse, torch.ones(1), None)
+    for bad in (torch.ones(1, dtype=torch.float16), torch.ones(2)):
+        with pytest.raises(ValueError, match="v_scale"):
+            run_combine_sm90(plan, ws.partial_out, ws.partial_lse, out, lse, bad, None)
 
 
 MIXED_LENGTHS = [0, 1, 50000, 64, 300000]
@@ -94,7 +110,8 @@ def test_combine_matches_reference_merge(heads, q_len, num_ctas, lengths):
     ws.partial_lse[ws.partial_lse < -3] = float("-inf")  # some splits saw no token for some rows
     out = torch.full((batch, q_len, heads, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
     lse = torch.full((batch, q_len, heads), float("nan"), device="cuda")
-    run_combine_sm90(plan, ws.partial_out, ws.partial_lse, out, lse, torch.cuda.current_stream())
+    v_scale = torch.tensor([0.37], device="cuda")  # the partials are in units of the V scale
+    run_combine_sm90(plan, ws.partial_out, ws.partial_lse, out, lse, v_scale, torch.cuda.current_stream())
     splits, offsets = plan.num_splits.tolist(), plan.split_offset.tolist()
     for b in range(batch):
         if splits[b] == 0:
@@ -103,7 +120,7 @@ def test_combine_matches_reference_merge(heads, q_len, num_ctas, lengths):
             assert torch.isnan(lse[b]).all(), "single-split requests are the decode kernel's to write"
         else:
             sl = slice(offsets[b], offsets[b] + splits[b])
-            want_out, want_lse = merge_partials(ws.partial_out[sl], ws.partial_lse[sl])
+            want_out, want_lse = merge_partials(ws.partial_out[sl].float() * 0.37, ws.partial_lse[sl])
             torch.testing.assert_close(out[b].float(), want_out, atol=1e-2, rtol=1e-2)
             torch.testing.assert_close(lse[b], want_lse, atol=1e-5, rtol=1e-5)
 
@@ -123,12 +140,12 @@ def test_warp_mode_merges_only_the_outputs_requests_of_a_larger_plan():
     out_all = torch.full((batch + 1, 1, 12, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
     lse_all = torch.full((batch + 1, 1, 12), float("nan"), device="cuda")
     run_combine_sm90(plan, ws.partial_out, ws.partial_lse, out_all[:batch], lse_all[:batch],
-                     torch.cuda.current_stream())
+                     torch.ones(1, device="cuda"), torch.cuda.current_stream())
     assert torch.isnan(out_all[batch].float()).all() and torch.isnan(lse_all[batch]).all()
     splits, offsets = plan.num_splits.tolist(), plan.split_offset.tolist()
     for b in range(batch):
         if splits[b] > 1:
             sl = slice(offsets[b], offsets[b] + splits[b])
-            want_out, want_lse = merge_partials(ws.partial_out[sl], ws.partial_lse[sl])
+            want_out, want_lse = merge_partials(ws.partial_out[sl].float(), ws.partial_lse[sl])
             torch.testing.assert_close(out_all[b].float(), want_out, atol=1e-2, rtol=1e-2)
             torch.testing.assert_close(lse_all[b], want_lse, atol=1e-5, rtol=1e-5)

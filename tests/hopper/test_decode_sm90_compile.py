@@ -152,8 +152,9 @@ def test_no_spills(tmp_path, num_heads, q_len, page_size, rows, planes):
         assert ("cp.async.cg.shared.global.L2::128B" in f.read()) == pingpong
 
 
-def _merge_kernel_outputs(plan, seq_lens, out, lse, partial_out, partial_lse):
-    """Final out/lse from the kernel's direct writes and (for split requests) its partials."""
+def _merge_kernel_outputs(plan, seq_lens, out, lse, partial_out, partial_lse, k_scale):
+    """Final out/lse from the kernel's direct writes and (for split requests) its partials (fp16, in units of
+    k_scale)."""
     from mla_backend.reference import merge_partials
 
     out = out.float().clone()
@@ -163,7 +164,8 @@ def _merge_kernel_outputs(plan, seq_lens, out, lse, partial_out, partial_lse):
     for b in range(seq_lens.shape[0]):
         n = num_splits[b]
         if n > 1:
-            o, l = merge_partials(partial_out[offsets[b]:offsets[b] + n], partial_lse[offsets[b]:offsets[b] + n])
+            o, l = merge_partials(partial_out[offsets[b]:offsets[b] + n].float() * k_scale,
+                                  partial_lse[offsets[b]:offsets[b] + n])
             out[b] = o
             lse[b] = l
     return out, lse
@@ -213,12 +215,12 @@ def test_matches_reference_gpu(num_heads, q_len, page_size, tile_tokens, causal,
     batch = len(lengths)
     out = torch.full((batch, q_len, num_heads, 512), float("nan"), dtype=torch.bfloat16, device=dev)
     lse = torch.full((batch, q_len, num_heads), float("nan"), dtype=torch.float32, device=dev)
-    partial_out = torch.full((plan.num_slots, q_len, num_heads, 512), float("nan"), device=dev)
+    partial_out = torch.full((plan.num_slots, q_len, num_heads, 512), float("nan"), dtype=torch.float16, device=dev)
     partial_lse = torch.full((plan.num_slots, q_len, num_heads), float("nan"), device=dev)
     run_decode_sm90(q, kv, bt, seq, softmax_scale, qs, ks, plan, out, lse, partial_out, partial_lse,
                     causal=causal, **options)
     torch.cuda.synchronize()
-    got_out, got_lse = _merge_kernel_outputs(plan, seq, out, lse, partial_out, partial_lse)
+    got_out, got_lse = _merge_kernel_outputs(plan, seq, out, lse, partial_out, partial_lse, ks)
     ref_out, ref_lse = mla_decode_reference(q, kv, bt, seq, softmax_scale=softmax_scale, q_scale=qs, k_scale=ks,
                                             causal=causal)
     busy = [b for b, n in enumerate(lengths) if n > 0]  # requests without KV are the combine kernel's job

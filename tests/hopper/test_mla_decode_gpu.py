@@ -73,6 +73,26 @@ def test_not_causal(q_len, causal):
     run_and_check(EDGE, 12, q_len, 32, causal=causal, seed=7)
 
 
+@pytest.mark.parametrize("heads,q_len", [(12, 1), (12, 8)])
+def test_split_partials_hold_a_large_v_scale(heads, q_len):
+    """The split partials are fp16 in units of k_scale (the combine applies it): with k_scale 2^19 the outputs
+    go past fp16's 65504 and still come out right. q_scale shrinks by as much, so the logits are those of the
+    usual inputs."""
+    lengths = [20000, 700, 3000]
+    q, kv, bt, sl, qs, ks = make_decode_inputs(lengths, q_len=q_len, num_heads=heads, page_size=32, device="cuda",
+                                               seed=5)
+    qs, ks = qs / (1 << 20), ks * (1 << 20)
+    plan = plan_splits(sl, q_len=q_len, num_heads=heads, page_size=32, num_ctas=16)
+    assert plan.num_splits.max().item() > 1  # what this test is for: the partials and the combine
+    out = torch.full((len(lengths), q_len, heads, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
+    lse = torch.full((len(lengths), q_len, heads), float("nan"), device="cuda")
+    kwargs = dict(softmax_scale=576 ** -0.5, q_scale=qs, k_scale=ks)
+    mla_decode(q, kv, bt, sl, out=out, lse=lse, plan=plan, **kwargs)
+    ref_out, ref_lse = mla_decode_reference(q, kv, bt, sl, **kwargs)
+    assert ref_out.float().abs().max() > 65504
+    check_against_reference(out, lse, ref_out, ref_lse)
+
+
 def test_one_million_tokens_skewed():
     run_and_check([M] + [4096] * 15, 12, 1, 32, seed=11)
 
