@@ -34,9 +34,10 @@ Tensor = torch.Tensor
 
 DEFAULT_TILE_TOKENS = 64
 # Per-segment overhead in tile units: loading the q block and writing one partial (plus its share of the
-# merge) costs about as much as streaming a few KV tiles. FlashMLA uses the equivalent of 5; on our kernel 2, 5
-# and 9 measured the same within noise on the H200 (docs/performance.md), so 5 stays.
-DEFAULT_SEGMENT_OVERHEAD = 5
+# merge) costs about as much as streaming a few KV tiles. FlashMLA uses the equivalent of 5. On our kernel 4
+# measured best on the H200 (docs/performance.md, What moved): 8K x B64 0.5-0.8 us faster than 5, equal or
+# within 0.3 us elsewhere; 3 and 7 lose 1.2 us on 128K + 63 x 2K.
+DEFAULT_SEGMENT_OVERHEAD = 4
 # Lengths are planned as min(max(L, 0), MAX_PLANNED_KV_LEN): 16x the longest context we serve, and small enough
 # that a plan's tile and cost sums stay in int32 whatever garbage a CUDA graph is replayed with (the kernel
 # clamps page indices to the block table's width, so a clamped length never reads out of bounds either).
