@@ -20,13 +20,13 @@ def test_a_planner_variant_is_an_independent_module_that_compiles(tmp_path):
 
     edited = tmp_path / "planner_edited.py"
     source = open(plan_splits_sm90.__file__).read()
-    assert source.count("REQUEST_THREAD0 = 256\n") == 1
-    edited.write_text(source.replace("REQUEST_THREAD0 = 256\n", "REQUEST_THREAD0 = 128\n"))
+    assert source.count("MAX_BOUNDARY_WARPS = 8\n") == 1
+    edited.write_text(source.replace("MAX_BOUNDARY_WARPS = 8\n", "MAX_BOUNDARY_WARPS = 2\n"))
     variant = bench_decode_kernel.load_variant(str(edited), 7)
     assert variant is not plan_splits_sm90 and variant._compiled is not plan_splits_sm90._compiled
-    assert variant.REQUEST_THREAD0 == 128 and plan_splits_sm90.REQUEST_THREAD0 == 256
-    assert variant.REQUEST_WARPS == 12 and plan_splits_sm90.REQUEST_WARPS == 8
-    assert variant.PlanSplitsSM90(16, 132, 64, 5).per_request_thread == 1  # 384 request threads
+    assert variant.MAX_BOUNDARY_WARPS == 2 and plan_splits_sm90.MAX_BOUNDARY_WARPS == 8
+    assert variant.WarpPlanSplitsSM90(16, 132, 64, 5).boundary_warps == 2  # 133 CTA boundaries, 64 lanes
+    assert plan_splits_sm90.WarpPlanSplitsSM90(16, 132, 64, 5).boundary_warps == 5
     assert callable(variant.compile_plan_splits_sm90(16, 132, 64, 5))
 
 

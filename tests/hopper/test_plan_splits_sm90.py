@@ -7,9 +7,22 @@ from mla_backend import SplitPlan, plan_splits
 from mla_backend.hopper.plan_splits_sm90 import compile_plan_splits_sm90
 
 
-@pytest.mark.parametrize("max_batch,num_ctas", [(1, 1), (16, 132), (256, 132), (1024, 264), (3000, 7)])
+@pytest.mark.parametrize("max_batch,num_ctas", [(1, 1), (16, 132), (64, 66), (65, 132), (256, 132), (1024, 264),
+                                                (3000, 7)])
 def test_planner_kernel_compiles_for_sm90a(max_batch, num_ctas):
     assert compile_plan_splits_sm90(max_batch, num_ctas, 64, 5) is not None
+
+
+def test_small_plans_use_the_barrier_free_warp_form():
+    from mla_backend.hopper import plan_splits_sm90 as m
+
+    warp_form = m.WarpPlanSplitsSM90(m.WARP_PLANNER_MAX_BATCH, 132, 64, 4)
+    assert (warp_form.per_lane, warp_form.boundary_warps, warp_form.threads) == (2, 5, 192)
+    assert m.WarpPlanSplitsSM90(8, 66, 64, 4).threads == 4 * 32  # 67 boundaries: 3 warps, and the request warp
+    assert m.CtaPlanSplitsSM90(256, 132, 64, 4).threads == m.THREADS
+    # (p + 1) * N in int32 where no total can overflow it, else chosen per total at run time
+    assert not m.WarpPlanSplitsSM90(16, 132, 64, 4).wide_cta_of_cost
+    assert m.WarpPlanSplitsSM90(64, 132, 64, 4).wide_cta_of_cost
 
 
 def batches(gen):
@@ -21,6 +34,8 @@ def batches(gen):
     yield [0] * 200
     yield [0, 1, 63, 64, 65, 4096, 131072, 1 << 20] * 20
     yield [2 ** 31 - 1, -5, 3, (1 << 24) + 1, -(2 ** 31)]  # garbage a graph may be replayed with: clamped
+    for n in (59, 60):  # max_batch 64 and 65: the largest plan of the warp form, the smallest of the CTA form
+        yield [(4096 * b + 33) % 70000 for b in range(n)]
     for _ in range(40):
         n = int(torch.randint(1, 300, (1,), generator=gen))
         top = int(torch.randint(1, 1 << 20, (1,), generator=gen))
