@@ -143,11 +143,13 @@ class _PlannerSM90:
             cta_first_request[c] = first
 
     @cute.jit
-    def _request_ctas(self, cost_start: Int32, tiles: Int32, tile_start: Int32, total: Int32, total_tiles: Int32):
-        """A request's first CTA and split count: the CTAs whose cost intervals [c * total // N,
-        (c + 1) * total // N) hold the cost positions of its first (last) tile. A request without tiles takes
-        the position of the next request's first tile (the same cost start), or the last CTA when no tile
-        follows."""
+    def _plan_request(self, b, cost_start: Int32, tiles: Int32, tile_start: Int32, total: Int32, total_tiles: Int32,
+                      request_first_cta: cute.Tensor, num_splits: cute.Tensor, merged: cute.Tensor) -> Int32:
+        """Request b's first CTA and split count, written to the plan, and its workspace slots (its splits when
+        it has several, else 0) written to `merged` and returned. The first and last CTA are those whose cost
+        intervals [c * total // N, (c + 1) * total // N) hold the cost positions of its first (last) tile. A
+        request without tiles takes the position of the next request's first tile (the same cost start), or
+        the last CTA when no tile follows."""
         position = cost_start + self.overhead
         first = Int32(self.num_ctas - 1)
         if tile_start < total_tiles:
@@ -155,7 +157,13 @@ class _PlannerSM90:
         splits = Int32(0)
         if tiles > 0:
             splits = self._cta_of_cost(position + tiles - 1, total) - first + 1
-        return first, splits
+        request_first_cta[b] = first
+        num_splits[b] = splits
+        slots = Int32(0)
+        if splits > 1:
+            slots = splits
+        merged[b] = slots
+        return slots
 
     @cute.jit
     def _cta_of_cost(self, p: Int32, total: Int32) -> Int32:
@@ -249,7 +257,7 @@ class WarpPlanSplitsSM90(_PlannerSM90):
     def _plan_requests(self, lane_tiles: cute.Tensor, merged: cute.Tensor, request_tile_start: cute.Tensor,
                        request_first_cta: cute.Tensor, num_splits: cute.Tensor, split_offset: cute.Tensor,
                        total: Int32, total_tiles: Int32, tiles_before: Int32, cost_before: Int32, lane):
-        """The request warp: each of the lane's requests' first CTA and split count (`_request_ctas`), then
+        """The request warp: each of the lane's requests' first CTA and split count (`_plan_request`), then
         workspace slots in request order for those with several splits (a scan over the lanes)."""
         B, PER = self.max_batch, self.per_lane
         first_b = lane * PER
@@ -258,15 +266,9 @@ class WarpPlanSplitsSM90(_PlannerSM90):
             b = first_b + i
             t = lane_tiles[i]
             if b < B:
-                first, splits = self._request_ctas(cost_before, t, tiles_before, total, total_tiles)
-                request_first_cta[b] = first
-                num_splits[b] = splits
                 request_tile_start[b] = tiles_before
-                m = Int32(0)
-                if splits > 1:
-                    m = splits
-                merged[b] = m
-                my_merged = my_merged + m
+                my_merged = my_merged + self._plan_request(b, cost_before, t, tiles_before, total, total_tiles,
+                                                           request_first_cta, num_splits, merged)
             tiles_before = tiles_before + t
             cost_before = cost_before + self._cost(t)
         slots_before, _total_slots = self._warp_exclusive_scan(my_merged, lane)
@@ -384,20 +386,14 @@ class CtaPlanSplitsSM90(_PlannerSM90):
                        scratch: cute.Tensor, request_tile_start: cute.Tensor, request_first_cta: cute.Tensor,
                        num_splits: cute.Tensor, split_offset: cute.Tensor, total: Int32, total_tiles: Int32, t, lane):
         """The request warps (t: 0 to THREADS - REQUEST_THREAD0 - 1): each request's first CTA and split count
-        (`_request_ctas`), then workspace slots in request order for those with several splits."""
+        (`_plan_request`), then workspace slots in request order for those with several splits."""
         B, PER = self.max_batch, self.per_request_thread
         my_merged = Int32(0)
         for i in cutlass.range_constexpr(PER):
             b = t * PER + i
             if b < B:
-                first, splits = self._request_ctas(cost_start[b], tiles[b], req_start[b], total, total_tiles)
-                request_first_cta[b] = first
-                num_splits[b] = splits
-                m = Int32(0)
-                if splits > 1:
-                    m = splits
-                merged[b] = m
-                my_merged = my_merged + m
+                my_merged = my_merged + self._plan_request(b, cost_start[b], tiles[b], req_start[b], total,
+                                                           total_tiles, request_first_cta, num_splits, merged)
         slots_before, _total_slots = self._exclusive_scan((my_merged,), scratch, t // 32, lane, REQUEST_WARPS,
                                                           REQUEST_BARRIER)[0]
         for i in cutlass.range_constexpr(PER):
