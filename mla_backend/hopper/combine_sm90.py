@@ -93,8 +93,8 @@ class CombineSplitsSM90:
         self.vecs_per_lane = self.cols // (32 * VEC)
         self.prefetch = PREFETCH_ALL if prefetch_all else max(2, 8 // self.vecs_per_lane)
         self.one_per_sm = prefetch_all
-        # warp mode (heavy_slots >= 0): rows x dim_splits CTAs for the rows of the requests with more than
-        # HEAVY_SPLITS splits (at most heavy_slots of them), then the CTAs of each request's rows, WARPS rows each
+        # warp mode (heavy_slots >= 0): the CTAs of each request's rows, WARPS rows each, then rows x dim_splits
+        # CTAs for the rows of the requests with more than HEAVY_SPLITS splits (at most heavy_slots of them)
         self.warp_rows = heavy_slots >= 0
         self.heavy_slots = max(heavy_slots, 0)
         self.row_groups = -(-rows // WARPS)
