@@ -52,15 +52,15 @@ def attend(q_rows: Tensor, kv: Tensor, first_token: int, visible: Tensor, logit_
 
     Token first_token + j is visible to query row t when first_token + j < visible[t]. Returns the
     normalized output [q_len, H, 512] (times v_scale) and the natural-log LSE [q_len, H]; a row that
-    sees nothing gets output 0 and LSE -inf.
+    sees nothing gets output 0 and LSE -inf, and a row that reads a NaN (in q or a visible token) gets NaN.
     """
     logits = torch.einsum("thd,nd->thn", q_rows, kv) * logit_scale
     positions = first_token + torch.arange(kv.shape[0], device=kv.device)
     mask = positions[None, :] < visible[:, None]  # [q_len, n]
     logits = logits.masked_fill(~mask[:, None, :], float("-inf"))
-    lse = torch.logsumexp(logits, dim=-1)  # -inf where the row sees nothing
+    lse = torch.logsumexp(logits, dim=-1)  # -inf where the row sees nothing, NaN where it reads a NaN
     probs = torch.exp(logits - lse[..., None].clamp(min=torch.finfo(torch.float32).min))
-    probs = torch.nan_to_num(probs, nan=0.0)
+    probs = torch.where(torch.isneginf(lse)[..., None], torch.zeros_like(probs), probs)  # no KV: out = 0
     out = torch.einsum("thn,nd->thd", probs, kv[:, :LATENT_DIM]) * v_scale
     return out, lse
 

@@ -13,10 +13,39 @@ import torch
 LATENT_DIM = 512  # kv_lora_rank: the latent is both K (with the rope part) and V
 ROPE_DIM = 64
 KV_DIM = LATENT_DIM + ROPE_DIM  # 576 FP8 bytes per token
-SUPPORTED_PAGE_SIZES = (32, 64)
-MAX_Q_LEN = 8  # decode plus MTP verify; a longer q block is a prefill and goes elsewhere
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max
+
+# What is supported (README's table): the op, the CLI, the adapters and the kernels' tests use these limits.
+SUPPORTED_PAGE_SIZES = (32, 64)
+MIN_HEADS, MAX_HEADS = 8, 128  # query heads per rank: TP16 of DeepSeek's 128 heads .. all 128 (DP attention)
+MAX_Q_LEN = 8  # decode plus MTP verify; a longer q block is a prefill and goes elsewhere
+MAX_BATCH = 1024  # requests per call (vLLM's default max_num_seqs on an H200 is 1024)
+MAX_KV_LEN = 1 << 20  # KV tokens per request
+
+
+def check_shape(*, num_heads=None, q_len=None, page_size=None, batch=None, names=None) -> None:
+    """Reject a shape outside the supported table with a ValueError naming the argument (`names` maps num_heads,
+    q_len, page_size and batch to the caller's spelling, e.g. "--heads" or "q.shape[2]")."""
+    names = {"num_heads": "num_heads", "q_len": "q_len", "page_size": "page_size", "batch": "batch",
+             **(names or {})}
+    limits = (("num_heads", num_heads, MIN_HEADS, MAX_HEADS), ("q_len", q_len, 1, MAX_Q_LEN),
+              ("batch", batch, 1, MAX_BATCH))
+    for key, value, low, high in limits:
+        if value is not None and not (isinstance(value, int) and low <= value <= high):
+            raise ValueError(f"{names[key]} must be in {low}..{high}, got {value}")
+    if page_size is not None and page_size not in SUPPORTED_PAGE_SIZES:
+        raise ValueError(f"{names['page_size']} must be one of {', '.join(map(str, SUPPORTED_PAGE_SIZES))}, "
+                         f"got {page_size}")
+
+
+def check_kv_lengths(lengths, name: str = "seq_lens") -> None:
+    """Reject KV lengths outside 0..MAX_KV_LEN (a list of ints or a CPU tensor) with an error naming `name`."""
+    values = torch.as_tensor(lengths, dtype=torch.int64)
+    if values.numel() and int(values.min()) < 0:
+        raise ValueError(f"{name} must be >= 0, got {int(values.min())}")
+    if values.numel() and int(values.max()) > MAX_KV_LEN:
+        raise ValueError(f"{name} must be at most {MAX_KV_LEN} tokens per request, got {int(values.max())}")
 
 
 def default_rows_per_block(num_heads: int, q_len: int) -> int:
@@ -67,12 +96,32 @@ def _check_scale(name: str, scale, device) -> None:
         _fail(ValueError, f"{name} is on {scale.device} but q is on {device}")
 
 
+def _check_output(name: str, tensor, dtype, shape, device) -> None:
+    """out / lse: one message per thing that is wrong, so the caller sees which."""
+    if not isinstance(tensor, torch.Tensor):
+        _fail(TypeError, f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.dtype != dtype:
+        _fail(TypeError, f"{name} must be {str(dtype).replace('torch.', '')}, got {tensor.dtype}")
+    if tuple(tensor.shape) != shape:
+        _fail(ValueError, f"{name} must have shape {shape}, got {tuple(tensor.shape)}")
+    if tensor.device != device:
+        _fail(ValueError, f"{name} is on {tensor.device} but q is on {device}")
+    if not tensor.is_contiguous():
+        _fail(ValueError, f"{name} must be contiguous, got strides {tensor.stride()} (use .contiguous() or a fresh "
+                          f"tensor)")
+
+
+# the op's spelling of the shape limits (check_shape)
+_OP_NAMES = {"num_heads": "q.shape[2] (heads)", "q_len": "q.shape[1] (q_len)", "batch": "q.shape[0] (batch)",
+             "page_size": "kv_cache page size (shape[1])"}
+
+
 def check_decode_args(q, kv_cache, block_table, seq_lens, softmax_scale, q_scale, k_scale, out=None,
                       lse=None, read_values: bool = True) -> Tensor:
     """Validate the op's arguments; returns the canonical 3-D kv_cache view.
 
-    `read_values` also checks seq_lens against the block table, which reads device memory: callers skip it
-    while a CUDA graph is being captured.
+    `read_values` also checks the values of seq_lens, the block table and the scales, which reads device memory:
+    callers skip it while a CUDA graph is being captured.
     """
     if not isinstance(q, torch.Tensor):
         _fail(TypeError, f"q must be a torch.Tensor, got {type(q).__name__}")
@@ -81,10 +130,9 @@ def check_decode_args(q, kv_cache, block_table, seq_lens, softmax_scale, q_scale
     if q.dim() != 4 or q.shape[-1] != KV_DIM:
         _fail(ValueError, f"q must have shape [batch, q_len, heads, {KV_DIM}], got {tuple(q.shape)}")
     batch, q_len, heads, _ = q.shape
-    if not 1 <= q_len <= MAX_Q_LEN:
-        _fail(ValueError, f"q_len (q.shape[1]) must be in 1..{MAX_Q_LEN}, got {q_len}")
-    if heads < 1:
-        _fail(ValueError, f"q must have at least one head, got shape {tuple(q.shape)}")
+    check_shape(num_heads=heads, q_len=q_len, names=_OP_NAMES)
+    if batch > MAX_BATCH:
+        check_shape(batch=batch, names=_OP_NAMES)
     if q.stride(-1) != 1:
         _fail(ValueError, "q must be contiguous in its last dimension")
     device = q.device
@@ -97,10 +145,10 @@ def check_decode_args(q, kv_cache, block_table, seq_lens, softmax_scale, q_scale
     if kv.dim() != 3 or kv.shape[-1] != KV_DIM:
         _fail(ValueError, f"kv_cache must have shape [num_pages, page_size, {KV_DIM}] "
                           f"(or [num_pages, page_size, 1, {KV_DIM}]), got {tuple(kv_cache.shape)}")
-    if kv.shape[1] not in SUPPORTED_PAGE_SIZES:
-        _fail(ValueError, f"kv_cache page size (shape[1]) must be one of {SUPPORTED_PAGE_SIZES}, got {kv.shape[1]}")
-    if kv.stride(-1) != 1 or kv.stride(-2) != KV_DIM:
-        _fail(ValueError, "kv_cache must be contiguous within a page (token stride 576, element stride 1)")
+    check_shape(page_size=kv.shape[1], names=_OP_NAMES)
+    if kv.stride(-1) != 1 or kv.stride(-2) != KV_DIM or kv.stride(0) % 16:
+        _fail(ValueError, "kv_cache must be contiguous within a page (token stride 576, element stride 1) with a "
+                          f"page stride that is a multiple of 16 bytes, got strides {kv.stride()}")
     if kv.device != device:
         _fail(ValueError, f"kv_cache is on {kv.device} but q is on {device}")
 
@@ -128,20 +176,18 @@ def check_decode_args(q, kv_cache, block_table, seq_lens, softmax_scale, q_scale
     _check_scale("k_scale", k_scale, device)
 
     if out is not None:
-        want = (batch, q_len, heads, LATENT_DIM)
-        if out.dtype != torch.bfloat16 or tuple(out.shape) != want or not out.is_contiguous() or out.device != device:
-            _fail(ValueError, f"out must be a contiguous bfloat16 tensor of shape {want} on {device}, "
-                              f"got {out.dtype} {tuple(out.shape)} on {out.device}")
+        _check_output("out", out, torch.bfloat16, (batch, q_len, heads, LATENT_DIM), device)
     if lse is not None:
-        want = (batch, q_len, heads)
-        if lse.dtype != torch.float32 or tuple(lse.shape) != want or not lse.is_contiguous() or lse.device != device:
-            _fail(ValueError, f"lse must be a contiguous float32 tensor of shape {want} on {device}, "
-                              f"got {lse.dtype} {tuple(lse.shape)} on {lse.device}")
+        _check_output("lse", lse, torch.float32, (batch, q_len, heads), device)
 
+    if read_values:
+        for name, scale in (("q_scale", q_scale), ("k_scale", k_scale)):
+            value = float(scale.reshape(()).to("cpu"))
+            if not (math.isfinite(value) and value > 0):
+                _fail(ValueError, f"{name} must be finite and positive, got {value}")
     if read_values and batch > 0:
         lengths = seq_lens.to("cpu", torch.int64)
-        if int(lengths.min()) < 0:
-            _fail(ValueError, f"seq_lens must be >= 0, got min {int(lengths.min())}")
+        check_kv_lengths(lengths)
         capacity = block_table.shape[1] * kv.shape[1]
         if int(lengths.max()) > capacity:
             _fail(ValueError, f"block_table is too short for seq_lens: {block_table.shape[1]} pages of "

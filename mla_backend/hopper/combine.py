@@ -14,14 +14,14 @@ no CTA barrier precedes the sum), and the 8 warps take every 8th partial each, s
 warp, eight at a time (unrolled), the first 2 (8 with four CTAs per row, all of them, up to 17, while the grid is
 one CTA per SM) loaded before the LSE reductions so that their round trip overlaps the LSEs'; each lane owns
 4-element vectors (8 bytes of fp16) of the CTA's 512 or 128 columns. Such a grid keeps one CTA per SM
-(`combine_prefetch_all`).
+(`config.combine_config`).
 The warps' sums are added through shared memory at the end.
 
-Warp mode, for batches of many rows with few splits each (`combine_heavy_slots`): a CTA per row costs its
+Warp mode, for batches of many rows with few splits each (`config.combine_config`): a CTA per row costs its
 launch and a round trip for a row of 2-4 partials, and 768-1536 such CTAs took 3.8-6.3 us (8K x B64, q_len 8 128K
 x B16). There a warp merges a row (lane s holds split s's LSE), eight rows per CTA, for every request
 with at most HEAVY_SPLITS splits; the few requests with more (a plan of N CTAs holds at most N / 32 of them) are
-merged row by row by rows x DIM_SPLITS (or x 1) CTAs of their own at the end of the grid, which find them with
+merged row by row by rows x COMBINE_DIM_SPLITS (or x 1) CTAs of their own at the end of the grid, which find them with
 one ballot pass over the plan.
 
 out = v_scale * sum_s exp(lse_s - lse) * O_s, lse = log(sum_s exp(lse_s)), computed in base 2; a row whose
@@ -37,39 +37,28 @@ from __future__ import annotations
 
 import math
 
+import cuda.bindings.driver as cuda
 import cutlass
-import cutlass.memory
 import cutlass.cute as cute
-import torch
+import cutlass.memory
 
-from ..planner import device_sms
+from .. import jit_cache
+from ..config import HEAVY_SPLITS, MAX_PLAN_CTAS, CombineConfig
 from ..shapes import LATENT_DIM
-from .cute_utils import cuda_stream, gmem_ptr, pdl_prologue, use_pdl
+from .launch import cuda_stream, gmem_ptr, pdl_prologue
 
 LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
 WARPS = 8
 THREADS = 32 * WARPS
 VEC = 4  # partial elements per access (fp16: 8 bytes)
-# Small batches merge each row with DIM_SPLITS CTAs, each over a quarter of the 512 output columns (each
-# recomputes the split weights: a few hundred floats). One CTA per (request, row) gave B1 12 CTAs on 132 SMs,
-# each reading all of the row's ~130 partials: ~8 us of a 1M-token step. With more rows than SMs the quarters
-# only multiply the weight work (measured: 8K x B128 combine 7.6 -> 12.1 us), so those keep one CTA per row.
-DIM_SPLITS = 4
 # Partials per warp loaded before the LSE reductions when the whole grid fits one CTA per SM (`prefetch_all`): a
 # plan cuts a request into at most one split per SM, and 17 per warp cover the 132 SMs of an H200 (the loop
 # after the prefetch takes any further splits). Their 68 registers would cost a larger grid its occupancy (H12
 # q_len 8 128K x B1, 384 CTAs: combine 5.3 -> 6.8 us), so it keeps 8 (one vector per lane) or 2 (four).
 PREFETCH_ALL = 17
-MAX_SPLITS = 2048  # split weights kept in shared memory; a plan has at most num_ctas splits per request
-# Warp mode (many rows of few splits, `combine_heavy_slots`): a warp merges a row of a request with at most
-# HEAVY_SPLITS splits (a lane per split's LSE), eight rows per CTA; a request with more is "heavy", and CTAs of
-# their own merge its rows as the row mode does. WARP_PREFETCH partials per warp are loaded before the LSEs.
-HEAVY_SPLITS = 32
-# warp mode only above this many rows per SM and below this many plan CTAs per request (`combine_heavy_slots`)
-WARP_MODE_ROWS_PER_SM = 4
-WARP_MODE_CTAS_PER_REQUEST = 6
-WARP_PREFETCH = 3
+MAX_SPLITS = MAX_PLAN_CTAS  # split weights kept in shared memory: a plan has at most num_ctas splits per request
+WARP_PREFETCH = 3  # warp mode: partials per warp loaded before the LSEs
 LSE_PER_THREAD = MAX_SPLITS // THREADS
 # 4-byte words of unused shared memory that keep a second CTA off the SM (`one_per_sm`): with the ~12 KB of
 # weights and sums a CTA then takes more than half of an H200 SM's 228 KB
@@ -79,31 +68,29 @@ VEC_BITS = VEC * 16
 
 
 class CombineSplitsSM90:
-    """Static configuration: the number of query rows per request (q_len * heads), the number of CTAs that
-    share a row's 512 columns (1 or DIM_SPLITS) and the mode: heavy_slots -1 for row mode, else warp mode with
-    room for that many heavy requests (`combine_heavy_slots`)."""
+    """The combine for a `config.CombineConfig` (module docstring)."""
 
-    def __init__(self, rows: int, dim_splits: int = 1, pdl: bool = False, prefetch_all: bool = False,
-                 heavy_slots: int = -1):
-        self.pdl = pdl
-        assert LATENT_DIM % (dim_splits * 32 * VEC) == 0
-        self.rows = rows
-        self.dim_splits = dim_splits
-        self.cols = LATENT_DIM // dim_splits
+    def __init__(self, cfg: CombineConfig):
+        self.cfg = cfg
+        self.pdl = cfg.pdl
+        assert LATENT_DIM % (cfg.dim_splits * 32 * VEC) == 0
+        self.rows = cfg.rows
+        self.dim_splits = cfg.dim_splits
+        self.cols = LATENT_DIM // cfg.dim_splits
         self.vecs_per_lane = self.cols // (32 * VEC)
-        self.prefetch = PREFETCH_ALL if prefetch_all else max(2, 8 // self.vecs_per_lane)
-        self.one_per_sm = prefetch_all
+        self.prefetch = PREFETCH_ALL if cfg.prefetch_all else max(2, 8 // self.vecs_per_lane)
+        self.one_per_sm = cfg.prefetch_all
         # warp mode (heavy_slots >= 0): the CTAs of each request's rows, WARPS rows each, then rows x dim_splits
         # CTAs for the rows of the requests with more than HEAVY_SPLITS splits (at most heavy_slots of them)
-        self.warp_rows = heavy_slots >= 0
-        self.heavy_slots = max(heavy_slots, 0)
-        self.row_groups = -(-rows // WARPS)
+        self.warp_rows = cfg.heavy_slots >= 0
+        self.heavy_slots = max(cfg.heavy_slots, 0)
+        self.row_groups = -(-cfg.rows // WARPS)
 
     @cute.jit
     def __call__(self, p_partial_out: cute.Pointer, p_partial_lse: cute.Pointer, p_out: cute.Pointer,
                  p_lse: cute.Pointer, p_num_splits: cute.Pointer, p_split_offset: cute.Pointer,
                  p_v_scale: cute.Pointer, batch: cutlass.Int32, num_slots: cutlass.Int32, max_batch: cutlass.Int32,
-                 stream):
+                 stream: cuda.CUstream):
         # Raw pointers plus the outer extents, not framework tensors: converting six torch tensors per call
         # cost tens of microseconds of host time in eager use. The inner strides stay compile-time constants.
         R = self.rows
@@ -288,7 +275,7 @@ class CombineSplitsSM90:
                                                                  (lane + 32 * k,)), pre[None, k, u])
                 anchor, w_l, total = self._warp_weights(partial_lse, first, row, splits, lane)
                 inv_total = cutlass.Float32(0.0)
-                if total > cutlass.Float32(0.0):
+                if total != cutlass.Float32(0.0):  # NaN stays NaN (NaN input), never an empty row
                     inv_total = v_scale / total
                 acc = cute.make_rmem_tensor((VEC, VECS), cutlass.Float32)
                 acc.fill(0.0)
@@ -314,7 +301,7 @@ class CombineSplitsSM90:
                     cute.autovec_copy(vals, cute.local_tile(out[request, row, None], (VEC,), (lane + 32 * k,)))
                 if lane == 0:
                     result = -cutlass.Float32.inf
-                    if total > cutlass.Float32(0.0):
+                    if total != cutlass.Float32(0.0):  # NaN stays NaN (NaN input), never an empty row
                         result = (anchor + cute.math.log2(total)) * LN_2
                     lse[request, row] = result
 
@@ -322,7 +309,7 @@ class CombineSplitsSM90:
     def _merge_row(self, partial_out: cute.Tensor, partial_lse: cute.Tensor, out: cute.Tensor, lse: cute.Tensor,
                    shared, v_scale, request, row, part_of_row, splits, first, tidx, lane, warp):
         """The whole CTA merges the `splits` (> 1) partials of one row of `request`, over its columns (a quarter
-        of them with DIM_SPLITS CTAs per row)."""
+        of them with COMBINE_DIM_SPLITS CTAs per row)."""
         dst = cute.local_tile(out[request, row, None], (self.cols,), (part_of_row,))  # this CTA's columns
         weights, scratch, sums = shared
         load_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), PARTIAL, num_bits_per_copy=VEC_BITS)
@@ -374,7 +361,7 @@ class CombineSplitsSM90:
                     local_sum += w
             total = self._block_reduce(local_sum, scratch, warp, lane, False)  # its barriers publish weights
         inv_total = cutlass.Float32(0.0)
-        if total > cutlass.Float32(0.0):
+        if total != cutlass.Float32(0.0):  # NaN stays NaN (NaN input), never an empty row
             inv_total = v_scale / total
 
         # 8-byte accesses: every vector starts at a multiple of 4 elements of a 16-byte aligned row.
@@ -414,96 +401,30 @@ class CombineSplitsSM90:
         if tidx == 0:
             if part_of_row == 0:
                 result = -cutlass.Float32.inf
-                if total > cutlass.Float32(0.0):
+                if total != cutlass.Float32(0.0):  # NaN stays NaN (NaN input), never an empty row
                     result = (anchor + cute.math.log2(total)) * LN_2
                 lse[request, row] = result
 
 
-_compiled = {}
+def compile_combine(cfg: CombineConfig):
+    """The compiled combine of a configuration (once per configuration: `jit_cache`). Every run-time value
+    (pointers, batch, slots, plan size, stream) is an argument, so this compiles without a GPU."""
+    args = (gmem_ptr(PARTIAL, 16), gmem_ptr(cutlass.Float32, 4), gmem_ptr(cutlass.BFloat16, 16),
+            gmem_ptr(cutlass.Float32, 4), gmem_ptr(cutlass.Int32, 4), gmem_ptr(cutlass.Int32, 4),
+            gmem_ptr(cutlass.Float32, 4), cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(1), cuda_stream())
+    return jit_cache.compiled(cfg, lambda: (CombineSplitsSM90(cfg), args))
 
 
-def combine_dim_splits(batch: int, rows: int, num_sms: int) -> int:
-    """CTAs per (request, row): DIM_SPLITS while all rows fit in one wave of num_sms CTAs, else 1."""
-    return DIM_SPLITS if batch * rows <= num_sms else 1
-
-
-def combine_prefetch_all(batch: int, rows: int, num_sms: int) -> bool:
-    """Whether every warp loads its first PREFETCH_ALL partials before the LSE reductions: while the grid (with
-    DIM_SPLITS CTAs per row) is at most one CTA per SM, the small batches whose requests have the most splits.
-    H200, steps in alternating runs: H12 q_len 1 128K x B1 34.1-34.5 -> 31.9-32.3 us, 1M x B1 155.0-158.6 ->
-    153.4-156.5. Such a grid also keeps to one CTA per SM (`ONE_PER_SM_WORDS`): its CTAs start as the decode's
-    CTAs exit, and two on each of the first SMs to free up merged their rows on half as many SMs (three alternating
-    rounds, steps: 128K x B1 31.8-32.0 -> 31.4-31.5 us, 128K x B2 49.7-50.0 -> 49.2-49.5, 1M x B1 154.4-154.7 ->
-    153.8-153.9)."""
-    return batch * rows * DIM_SPLITS <= num_sms
-
-
-def combine_heavy_slots(batch: int, rows: int, num_sms: int, num_ctas: int) -> int:
-    """-1 for row mode (a CTA or DIM_SPLITS CTAs per row); otherwise warp mode, with CTAs for as many heavy
-    requests (more than HEAVY_SPLITS splits) as a plan of num_ctas CTAs can hold: consecutive requests share at
-    most one CTA, so n of them hold at least 32 n + 1.
-
-    Warp mode takes batches of more than WARP_MODE_ROWS_PER_SM rows per SM whose requests have fewer than
-    WARP_MODE_CTAS_PER_REQUEST plan CTAs each on average: a warp merges its row's splits one after the other,
-    which beats a CTA per row only for many rows of few splits. H200, combine alone, row -> warp mode: 8K x B64
-    3.8 -> 2.7 us, 8K x B128 5.8 -> 2.6, q_len 8 128K x B16 (66 plan CTAs) 6.2 -> 4.0-4.3, 128K + 63 x 2K 4.9-5.0
-    -> 2.8; but q_len 1 128K x B16 (8 splits a request) 2.4 -> 3.0, 1M x B16 2.5 -> 3.1, q_len 8 128K x B4 4.1 ->
-    5.7, and 8K x B32 (384 rows) the same alone with steps 1.3-1.7 us slower."""
-    many_rows = batch * rows > WARP_MODE_ROWS_PER_SM * num_sms
-    if not many_rows or num_ctas >= WARP_MODE_CTAS_PER_REQUEST * batch:
-        return -1
-    return num_ctas // HEAVY_SPLITS
-
-
-def compile_combine_sm90(rows: int, dim_splits: int = 1, prefetch_all: bool = False, heavy_slots: int = -1):
-    """The compiled combine for `rows` query rows per request, `dim_splits` CTAs per (heavy) row, the prefetch
-    depth and the mode (heavy_slots -1: row mode, else warp mode), cached by that static key. Every run-time
-    value (pointers, batch, slots, plan size, stream) is an argument, so this compiles without a GPU."""
-    key = (rows, dim_splits, use_pdl(), bool(prefetch_all), int(heavy_slots))
-    if key not in _compiled:
-        args = (gmem_ptr(PARTIAL, 16), gmem_ptr(cutlass.Float32, 4), gmem_ptr(cutlass.BFloat16, 16),
-                gmem_ptr(cutlass.Float32, 4), gmem_ptr(cutlass.Int32, 4), gmem_ptr(cutlass.Int32, 4),
-                gmem_ptr(cutlass.Float32, 4), cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(1), cuda_stream())
-        _compiled[key] = cute.compile(CombineSplitsSM90(*key), *args)
-    return _compiled[key]
-
-
-def run_combine_sm90(plan, partial_out: torch.Tensor, partial_lse: torch.Tensor, out: torch.Tensor,
-                     lse: torch.Tensor, v_scale: torch.Tensor, stream: torch.cuda.Stream):
-    """Merge the partials of every split request into `out` (bf16) and `lse` (natural log).
-
-    partial_out fp16 [slots, q_len, H, 512] in units of v_scale (fp32 [1] on the device: the decode's k_scale),
-    partial_lse fp32 [slots, q_len, H], out bf16 [batch, q_len, H, 512], lse fp32 [batch, q_len, H], all
-    contiguous; the plan's num_splits / split_offset int32 [max_batch >= batch]."""
-    batch, q_len, heads, _ = out.shape
-    rows = q_len * heads
-    if batch == 0:
-        return
-    if plan.num_ctas > MAX_SPLITS:
-        raise ValueError(f"the combine kernel merges at most {MAX_SPLITS} splits per request; "
-                         f"the plan has {plan.num_ctas} CTAs")
-    tensors = (partial_out, partial_lse, out, lse, plan.num_splits, plan.split_offset)
-    if not all(t.is_contiguous() for t in tensors):
-        raise ValueError("partial_out, partial_lse, out, lse and the plan's tensors must be contiguous")
-    if partial_out.data_ptr() % 16 or out.data_ptr() % 16:
-        raise ValueError("partial_out and out must be 16-byte aligned")
-    if partial_out.dtype != torch.float16:
-        raise ValueError(f"partial_out must be float16 (DecodeWorkspace), got {partial_out.dtype}")
-    if v_scale.dtype != torch.float32 or v_scale.numel() != 1 or v_scale.device != out.device:
-        raise ValueError("v_scale must be a float32 tensor of one element on the output's device")
-    # the SM count, not the plan's CTAs: a plan for two row blocks has half as many CTAs as SMs
-    sms = device_sms(out.device)
-    heavy_slots = combine_heavy_slots(batch, rows, sms, plan.num_ctas)
-    if heavy_slots < 0:
-        fn = compile_combine_sm90(rows, combine_dim_splits(batch, rows, sms), combine_prefetch_all(batch, rows, sms))
-    else:
-        # the heavy rows in quarters of their columns while those CTAs (rows x DIM_SPLITS) fit one per SM
-        quarters = rows * DIM_SPLITS <= sms
-        fn = compile_combine_sm90(rows, DIM_SPLITS if quarters else 1, False, heavy_slots)
+def run_combine(cfg: CombineConfig, plan, partial_out, partial_lse, out, lse, v_scale, stream) -> None:
+    """Merge the partials of every split request into `out` (bf16) and `lse` (natural log), as the op
+    (`mla_backend.api`) validated them: partial_out fp16 [slots, q_len, H, 512] in units of v_scale (fp32 [1] on
+    the device: the decode's k_scale), partial_lse fp32 [slots, q_len, H], out bf16 [batch, q_len, H, 512], lse
+    fp32 [batch, q_len, H], all contiguous; the plan's num_splits / split_offset int32 [max_batch >= batch]."""
+    batch = out.shape[0]
+    fn = compile_combine(cfg)
     fn(gmem_ptr(PARTIAL, 16, partial_out.data_ptr()), gmem_ptr(cutlass.Float32, 4, partial_lse.data_ptr()),
        gmem_ptr(cutlass.BFloat16, 16, out.data_ptr()), gmem_ptr(cutlass.Float32, 4, lse.data_ptr()),
        gmem_ptr(cutlass.Int32, 4, plan.num_splits.data_ptr()),
        gmem_ptr(cutlass.Int32, 4, plan.split_offset.data_ptr()), gmem_ptr(cutlass.Float32, 4, v_scale.data_ptr()),
-       cutlass.Int32(batch),
-       cutlass.Int32(max(partial_lse.numel() // rows, 1)), cutlass.Int32(plan.num_splits.shape[0]),
-       cuda_stream(stream))
+       cutlass.Int32(batch), cutlass.Int32(max(partial_lse.numel() // cfg.rows, 1)),
+       cutlass.Int32(plan.num_splits.shape[0]), cuda_stream(stream))

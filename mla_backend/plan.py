@@ -28,7 +28,8 @@ from typing import Optional
 
 import torch
 
-from .shapes import decode_row_blocks
+from .config import MAX_PLAN_CTAS, MAX_PLANNED_KV_LEN
+from .shapes import check_shape, decode_row_blocks
 
 Tensor = torch.Tensor
 
@@ -38,10 +39,6 @@ DEFAULT_TILE_TOKENS = 64
 # measured best on the H200 (docs/performance.md, What moved): 8K x B64 0.5-0.8 us faster than 5, equal or
 # within 0.3 us elsewhere; 3 and 7 lose 1.2 us on 128K + 63 x 2K.
 DEFAULT_SEGMENT_OVERHEAD = 4
-# Lengths are planned as min(max(L, 0), MAX_PLANNED_KV_LEN): 16x the longest context we serve, and small enough
-# that a plan's tile and cost sums stay in int32 whatever garbage a CUDA graph is replayed with (the kernel
-# clamps page indices to the block table's width, so a clamped length never reads out of bounds either).
-MAX_PLANNED_KV_LEN = 1 << 24
 H200_SMS = 132
 
 
@@ -92,8 +89,10 @@ class SplitPlan:
 
     @property
     def num_slots(self) -> int:
-        """Workspace partials needed in the worst case: each CTA boundary adds at most one split."""
-        return self.max_batch + self.num_ctas
+        """Workspace partials needed in the worst case: the splits of the requests with more than one. Each CTA
+        boundary adds at most one split (max_batch + num_ctas in all), and each CTA holds pieces of at most two
+        split requests, those that cross its first and its last boundary (2 num_ctas in all)."""
+        return self.num_ctas + min(self.max_batch, self.num_ctas)
 
     @property
     def device(self) -> torch.device:
@@ -158,10 +157,12 @@ def plan_splits(seq_lens: Tensor, *, q_len: int, num_heads: int, page_size: int,
     kernels are compiled for and are checked here; the cost model counts KV tiles. Pass `out=` (from
     `SplitPlan.empty` or an earlier call) to refill persistent buffers, as a CUDA-graph step must.
     """
-    if seq_lens.dim() != 1 or seq_lens.dtype != torch.int32:
-        raise TypeError(f"seq_lens must be a 1-D int32 tensor, got {seq_lens.dtype} {tuple(seq_lens.shape)}")
-    if page_size <= 0 or q_len <= 0 or num_heads <= 0:
-        raise ValueError(f"page_size, q_len and num_heads must be positive, got {page_size}, {q_len}, {num_heads}")
+    if not isinstance(seq_lens, torch.Tensor) or seq_lens.dim() != 1 or seq_lens.dtype != torch.int32:
+        raise TypeError(f"seq_lens must be a 1-D int32 tensor, got {getattr(seq_lens, 'dtype', type(seq_lens))} "
+                        f"{tuple(getattr(seq_lens, 'shape', ()))}")
+    check_shape(num_heads=num_heads, q_len=q_len, page_size=page_size)
+    if segment_overhead < 0:
+        raise ValueError(f"segment_overhead must be >= 0, got {segment_overhead}")
     if out is not None:
         tile_tokens = out.tile_tokens if tile_tokens is None else tile_tokens
         num_ctas = out.num_ctas if num_ctas is None else num_ctas
@@ -172,15 +173,15 @@ def plan_splits(seq_lens: Tensor, *, q_len: int, num_heads: int, page_size: int,
         if out.device != seq_lens.device:
             raise ValueError(f"out plan is on {out.device} but seq_lens is on {seq_lens.device}")
     tile_tokens = DEFAULT_TILE_TOKENS if tile_tokens is None else tile_tokens
-    if tile_tokens % page_size and page_size % tile_tokens:
+    if tile_tokens < 1 or (tile_tokens % page_size and page_size % tile_tokens):
         raise ValueError(f"tile_tokens ({tile_tokens}) and page_size ({page_size}) must divide one another")
     num_ctas = default_num_ctas(seq_lens.device, num_heads, q_len) if num_ctas is None else num_ctas
     batch = seq_lens.shape[0]
     max_batch = batch if max_batch is None else max_batch
     if batch > max_batch:
         raise ValueError(f"seq_lens has {batch} requests but the plan holds max_batch={max_batch}")
-    if num_ctas < 1 or max_batch < 1:
-        raise ValueError(f"num_ctas and max_batch must be >= 1, got {num_ctas}, {max_batch}")
+    if not 1 <= num_ctas <= MAX_PLAN_CTAS or max_batch < 1:
+        raise ValueError(f"num_ctas must be in 1..{MAX_PLAN_CTAS} and max_batch >= 1, got {num_ctas}, {max_batch}")
     if max_batch * (MAX_PLANNED_KV_LEN // tile_tokens + segment_overhead) >= 1 << 31:
         raise ValueError(f"max_batch={max_batch} is too large for tile_tokens={tile_tokens}: the plan's sums "
                          f"would overflow int32")
@@ -189,9 +190,9 @@ def plan_splits(seq_lens: Tensor, *, q_len: int, num_heads: int, page_size: int,
                                                        seq_lens.device)
     if _planner_kernel_available(seq_lens):
         # One CTA instead of ~25 small torch launches (~67 us per step on the H200); same plan, bit for bit.
-        from .hopper.plan_splits_sm90 import run_plan_splits_sm90
+        from .hopper.planner import run_planner
 
-        run_plan_splits_sm90(seq_lens, plan, torch.cuda.current_stream(seq_lens.device))
+        run_planner(seq_lens, plan, torch.cuda.current_stream(seq_lens.device))
         return plan
     _plan_with_torch(seq_lens, plan)
     return plan

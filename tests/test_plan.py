@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from mla_backend import SplitPlan, plan_splits
-from mla_backend.planner import batch_bucket, default_num_ctas
+from mla_backend.plan import batch_bucket, default_num_ctas
 
 TILE = 64
 EDGE_LENGTHS = [0, 1, TILE - 1, TILE, TILE + 1, 4096, 131072, 1 << 20]
@@ -83,6 +83,18 @@ def test_plan_invariants(lengths, num_ctas, overhead):
                                      [131072] + [2048] * 63, EDGE_LENGTHS * 32])
 def test_plan_named_batches(lengths):
     check_plan(lengths, 132)
+
+
+def test_workspace_slots_are_bounded_by_two_per_cta():
+    """A CTA holds pieces of at most two split requests (those crossing its first and last boundary), so a plan
+    needs at most num_ctas + min(max_batch, num_ctas) workspace slots, far fewer than max_batch + num_ctas for
+    an engine's 1024-request plans."""
+    plan = SplitPlan.empty(max_batch=1024, num_ctas=132)
+    assert plan.num_slots == 264
+    assert SplitPlan.empty(max_batch=8, num_ctas=132).num_slots == 140
+    # the worst case: every CTA boundary inside a request, and short requests that split across a boundary
+    for lengths in ([130] * 1024, [64 * 7] * 300, [64 * 3, 64 * 200] * 60):
+        check_plan(lengths, 132, overhead=4, max_batch=1024)
 
 
 def test_all_empty_batch_leaves_every_cta_idle():
@@ -163,6 +175,12 @@ def test_planner_rejects_bad_arguments():
         plan_splits(torch.zeros(3, dtype=torch.int32), q_len=1, num_heads=12, page_size=32, max_batch=2)
     with pytest.raises(ValueError, match="tile_tokens"):
         plan_splits(torch.zeros(3, dtype=torch.int32), q_len=1, num_heads=12, page_size=32, tile_tokens=48)
+    with pytest.raises(ValueError, match="num_ctas"):
+        plan_splits(torch.zeros(3, dtype=torch.int32), q_len=1, num_heads=12, page_size=32, num_ctas=4096)
+    with pytest.raises(ValueError, match="num_heads must be in 8..128"):
+        plan_splits(torch.zeros(3, dtype=torch.int32), q_len=1, num_heads=4, page_size=32)
+    with pytest.raises(ValueError, match="segment_overhead"):
+        plan_splits(torch.zeros(3, dtype=torch.int32), q_len=1, num_heads=12, page_size=32, segment_overhead=-1)
     with pytest.raises(ValueError, match="overflow int32"):
         plan_splits(torch.zeros(3, dtype=torch.int32), q_len=1, num_heads=12, page_size=32, tile_tokens=32,
                     max_batch=5000)
@@ -171,7 +189,7 @@ def test_planner_rejects_bad_arguments():
 def test_lengths_are_planned_clamped_to_zero_and_the_planned_maximum():
     """Inside a CUDA graph nothing checks seq_lens: negative lengths plan as 0 and huge ones as
     MAX_PLANNED_KV_LEN, so the plan's int32 sums cannot overflow."""
-    from mla_backend.planner import MAX_PLANNED_KV_LEN
+    from mla_backend.plan import MAX_PLANNED_KV_LEN
 
     garbage = torch.tensor([2 ** 31 - 1, -5, 3, -(2 ** 31)], dtype=torch.int32)
     clamped = torch.tensor([MAX_PLANNED_KV_LEN, 0, 3, 0], dtype=torch.int32)

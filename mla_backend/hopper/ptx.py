@@ -1,4 +1,4 @@
-"""FP8 tensor-core building blocks for the SM90 decode kernel, as inline PTX on raw 32-bit registers.
+"""FP8 tensor-core building blocks for the SM90 decode kernels, as inline PTX on raw 32-bit registers.
 
 CuTe's tiled-copy machinery has no 8-bit transposed shared-memory load for sm_90 (ldmatrix transposes 16-bit
 elements only), and the P.V wgmma takes its A operand from registers in an order we choose, so the decode
@@ -6,13 +6,15 @@ kernel addresses its FP8 tiles itself and uses these primitives:
 
 - `ldmatrix_x4`: four 8x8 b16 matrices (each 8 rows x 16 bytes) from shared memory, optionally transposed. With
   transpose, lane (g = lane / 4, t = lane % 4) receives the byte pairs (row 2t, 2t + 1) x (bytes 2g, 2g + 1);
-  `prmt` regroups them into e4m3 A registers of a token-major V tile (see decode_sm90.py for the order).
+  `prmt` regroups them into e4m3 A registers of a token-major V tile (see decode_mma.py for the order).
 - `quantize_p_hi_lo`: four fp32 probabilities -> two e4m3x4 words, hi = e4m3(p) and lo = e4m3(p - hi), so that
   hi + lo carries ~7 mantissa bits of p instead of 3.
 - `wgmma_ss_e4m3` / `wgmma_rs_e4m3`: warpgroup MMA m64nNk32 e4m3 -> f32 with both operands in shared memory
   (128B-swizzled K-major) or A in registers (B in the no-swizzle K-major core-matrix layout), plus the fences,
   commit and wait around them.
 - `cp_async_16_l2_128`: a 16-byte cp.async with the L2::128B prefetch hint, which CuTe's copy atom cannot express.
+- `sm_clock` / `store_global_u32`: the SM's cycle counter and a plain global store, for the timeline builds of the
+  decode (config.DecodeConfig.timeline).
 
 Shared-memory reads and the wgmma issue are marked side-effecting so LLVM keeps them in order with the barriers
 and waits that guard them; accumulators are pinned after `wgmma_wait` with `fence_operand`.
@@ -222,3 +224,16 @@ def wgmma_rs_e4m3(a, b_addr, b_lbo: int, b_sbo: int, acc, *, loc=None, ip=None):
     constraints = ",".join(["=f"] * n_acc + ["r"] * 5 + [str(i) for i in range(n_acc)])
     res = _asm(_struct(n_acc, T.f32()), operands, asm, constraints, True, loc, ip)
     return [Float32(llvm.extractvalue(T.f32(), res, [i], loc=loc, ip=ip)) for i in range(n_acc)]
+
+
+@dsl_user_op
+def sm_clock(*, loc=None, ip=None):
+    """The SM's 32-bit cycle counter (%clock)."""
+    return Int32(_asm(T.i32(), [], "mov.u32 $0, %clock;", "=r", True, loc, ip))
+
+
+@dsl_user_op
+def store_global_u32(gmem_addr, value, *, loc=None, ip=None):
+    """st.global.u32 of value at a 64-bit global address."""
+    _asm(None, [Int64(gmem_addr).ir_value(loc=loc, ip=ip), Int32(value).ir_value(loc=loc, ip=ip)],
+         "st.global.u32 [$0], $1;", "l,r", True, loc, ip)

@@ -1,4 +1,6 @@
-"""Bad input gets a clear error that names the argument."""
+"""Bad input to the op gets a one-line error that names the argument and what is allowed (mla_backend.shapes)."""
+
+import os
 
 import pytest
 import torch
@@ -8,7 +10,7 @@ from mla_inputs import make_decode_inputs
 
 
 def args(**override):
-    q, kv, bt, sl, qs, ks = make_decode_inputs([40, 70], q_len=2, num_heads=4, page_size=32)
+    q, kv, bt, sl, qs, ks = make_decode_inputs([40, 70], q_len=2, num_heads=8, page_size=32)
     base = dict(q=q, kv_cache=kv, block_table=bt, seq_lens=sl, softmax_scale=0.1, q_scale=qs, k_scale=ks)
     base.update(override)
     return base
@@ -20,14 +22,23 @@ def call(a):
 
 def test_good_input_runs():
     out, lse = call(args())
-    assert out.shape == (2, 2, 4, 512) and lse.shape == (2, 2, 4)
+    assert out.shape == (2, 2, 8, 512) and lse.shape == (2, 2, 8)
 
 
-@pytest.mark.parametrize("name,make,kind,words", [
+BAD = [
     ("q dtype", lambda a: dict(q=a["q"].float()), TypeError, "q must be float8_e4m3fn"),
     ("q shape", lambda a: dict(q=a["q"][..., :512]), ValueError, "q must have shape"),
-    ("q_len", lambda a: dict(q=torch.zeros(2, 9, 4, 576).to(torch.float8_e4m3fn)), ValueError, "q_len"),
-    ("q last dim", lambda a: dict(q=torch.zeros(2, 2, 576, 4).to(torch.float8_e4m3fn).transpose(2, 3)), ValueError,
+    ("q_len", lambda a: dict(q=torch.zeros(2, 9, 8, 576).to(torch.float8_e4m3fn)), ValueError,
+     r"q.shape\[1\] \(q_len\) must be in 1..8, got 9"),
+    ("heads 7", lambda a: dict(q=torch.zeros(2, 2, 7, 576).to(torch.float8_e4m3fn)), ValueError,
+     r"q.shape\[2\] \(heads\) must be in 8..128, got 7"),
+    ("heads 129", lambda a: dict(q=torch.zeros(2, 1, 129, 576).to(torch.float8_e4m3fn)), ValueError,
+     r"q.shape\[2\] \(heads\) must be in 8..128, got 129"),
+    ("batch 1025", lambda a: dict(q=torch.zeros(1025, 1, 8, 576).to(torch.float8_e4m3fn),
+                                  block_table=torch.zeros(1025, 1, dtype=torch.int32),
+                                  seq_lens=torch.zeros(1025, dtype=torch.int32)), ValueError,
+     r"q.shape\[0\] \(batch\) must be in 1..1024, got 1025"),
+    ("q last dim", lambda a: dict(q=torch.zeros(2, 2, 576, 8).to(torch.float8_e4m3fn).transpose(2, 3)), ValueError,
      "q must be contiguous"),
     ("kv dtype", lambda a: dict(kv_cache=a["kv_cache"].to(torch.bfloat16)), TypeError, "kv_cache must be float8"),
     ("kv shape", lambda a: dict(kv_cache=a["kv_cache"][..., :512]), ValueError, "kv_cache must have shape"),
@@ -47,10 +58,25 @@ def test_good_input_runs():
     ("q_scale float", lambda a: dict(q_scale=0.5), TypeError, "q_scale must be a float32 tensor"),
     ("q_scale dtype", lambda a: dict(q_scale=a["q_scale"].double()), TypeError, "q_scale must be float32"),
     ("k_scale shape", lambda a: dict(k_scale=torch.ones(2)), ValueError, "k_scale must have exactly one element"),
-    ("out dtype", lambda a: dict(out=torch.empty(2, 2, 4, 512)), ValueError, "out must be"),
-    ("lse shape", lambda a: dict(lse=torch.empty(2, 2)), ValueError, "lse must be"),
+    ("out dtype", lambda a: dict(out=torch.empty(2, 2, 8, 512)), TypeError, "out must be bfloat16, got torch.float32"),
+    ("out strides", lambda a: dict(out=torch.empty(2, 8, 2, 512, dtype=torch.bfloat16).transpose(1, 2)), ValueError,
+     r"out must be contiguous, got strides \(8192, 512, 1024, 1\)"),
+    ("out shape", lambda a: dict(out=torch.empty(2, 2, 8, 576, dtype=torch.bfloat16)), ValueError,
+     r"out must have shape \(2, 2, 8, 512\), got \(2, 2, 8, 576\)"),
+    ("lse shape", lambda a: dict(lse=torch.empty(2, 2)), ValueError, r"lse must have shape \(2, 2, 8\)"),
+    ("lens too long", lambda a: dict(seq_lens=torch.tensor([40, (1 << 20) + 1], dtype=torch.int32)), ValueError,
+     "seq_lens must be at most 1048576 tokens per request"),
+    ("k_scale nan", lambda a: dict(k_scale=torch.tensor([float("nan")])), ValueError,
+     "k_scale must be finite and positive, got nan"),
+    ("q_scale zero", lambda a: dict(q_scale=torch.tensor([0.0])), ValueError, "q_scale must be finite and positive"),
+    ("q_scale inf", lambda a: dict(q_scale=torch.tensor([float("inf")])), ValueError,
+     "q_scale must be finite and positive, got inf"),
+    ("plan type", lambda a: dict(plan="a plan"), TypeError, "plan must be a mla_backend.SplitPlan"),
     ("device", lambda a: dict(block_table=a["block_table"].to("meta")), ValueError, "block_table is on meta"),
-])
+]
+
+
+@pytest.mark.parametrize("name,make,kind,words", BAD)
 def test_bad_input_names_the_argument(name, make, kind, words):
     a = args()
     a.update(make(a))
@@ -77,3 +103,24 @@ def test_check_values_false_skips_value_checks_with_defined_results(name, overri
                                             k_scale=a["k_scale"])
     assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
     assert torch.isfinite(lse).any()
+
+
+def test_every_error_is_one_line():
+    """Each rejection is one line that starts with the argument's name."""
+    for name, make, kind, words in BAD:
+        a = args()
+        a.update(make(a))
+        with pytest.raises(kind) as info:
+            call(a)
+        assert "\n" not in str(info.value), name
+
+
+def test_shape_limits_are_those_of_readme():
+    from mla_backend.shapes import MAX_BATCH, MAX_HEADS, MAX_KV_LEN, MAX_Q_LEN, MIN_HEADS, SUPPORTED_PAGE_SIZES
+
+    readme = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")).read()
+    assert f"| heads per rank | {MIN_HEADS} to {MAX_HEADS}" in readme
+    assert f"| q_len | 1 (decode) and 2-{MAX_Q_LEN}" in readme
+    assert f"| page size | {SUPPORTED_PAGE_SIZES[0]} and {SUPPORTED_PAGE_SIZES[1]} tokens" in readme
+    assert f"| KV length | 0 to {MAX_KV_LEN // (1 << 20)}M ({MAX_KV_LEN}) tokens per request" in readme
+    assert f"| batch | 1 to {MAX_BATCH} requests" in readme

@@ -9,7 +9,7 @@ Both forms find every CTA boundary by a binary search over the requests' cost pr
 c * total // N), and every request's first and last CTA from the cost positions of its first and last tile,
 ((p + 1) * N - 1) // total, with no search and no wait for the boundaries.
 
-Two forms, by the plan's max_batch (`compile_plan_splits_sm90` picks):
+Two forms, by the plan's max_batch (`config.planner_config` picks):
 - `WarpPlanSplitsSM90`, up to WARP_PLANNER_MAX_BATCH requests: no CTA barrier. The planner's time is a launch
   and a chain of dependent steps (seq_lens from memory, a scan, searches, stores), each a few hundred cycles,
   so every warp loads all of seq_lens and scans it itself (lane l owns requests [l * PER, (l + 1) * PER), one
@@ -21,24 +21,25 @@ Two forms, by the plan's max_batch (`compile_plan_splits_sm90` picks):
   warps 8-15 plan the requests. The warp form's per-lane loops grow with max_batch (PER = max_batch / 32): 2.21
   against 2.14 us at 128, 3.87 against 2.34 at 256, 7.5 against 2.5 at 512.
 
-Static key: (max_batch, num_ctas, tile_tokens, segment_overhead), the plan's fixed shape, so an engine compiles
-it once.
+Static configuration (`config.PlannerConfig`): the plan's fixed shape (max_batch, num_ctas, tile_tokens,
+segment_overhead) and the form, so an engine compiles it once.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
+import cuda.bindings.driver as cuda
 import cutlass
-import cutlass.memory
 import cutlass.cute as cute
+import cutlass.memory
 from cutlass import Int32, Int64
 
-from ..planner import MAX_PLANNED_KV_LEN
-from .cute_utils import cuda_stream, gmem_ptr, pdl_prologue, use_pdl
+from .. import jit_cache
+from ..config import MAX_PLANNED_KV_LEN, PlannerConfig, planner_config
+from .launch import cuda_stream, gmem_ptr, pdl_prologue
 
-# the warp form up to this max_batch, the CTA form above (module docstring)
-WARP_PLANNER_MAX_BATCH = 64
 LANES = 32
 # warp form: boundary warps, one boundary per lane for up to 8 * 32 - 1 CTAs, more per lane beyond
 MAX_BOUNDARY_WARPS = 8
@@ -60,8 +61,10 @@ class _PlannerSM90:
     """What both forms share: the static key, a request's tiles and cost, the searches and the CTA of a cost
     position."""
 
-    def __init__(self, max_batch: int, num_ctas: int, tile_tokens: int, segment_overhead: int, pdl: bool = False):
-        self.pdl = pdl
+    def __init__(self, cfg: PlannerConfig):
+        max_batch, num_ctas, tile_tokens, segment_overhead = (cfg.max_batch, cfg.num_ctas, cfg.tile_tokens,
+                                                              cfg.segment_overhead)
+        self.pdl = cfg.pdl
         self.max_batch = max_batch
         self.num_ctas = num_ctas
         self.tile_tokens = tile_tokens
@@ -74,7 +77,7 @@ class _PlannerSM90:
     @cute.jit
     def __call__(self, p_seq_lens: cute.Pointer, p_cta_tile_start: cute.Pointer, p_cta_first_request: cute.Pointer,
                  p_request_tile_start: cute.Pointer, p_request_first_cta: cute.Pointer, p_num_splits: cute.Pointer,
-                 p_split_offset: cute.Pointer, batch: Int32, stream):
+                 p_split_offset: cute.Pointer, batch: Int32, stream: cuda.CUstream):
         B, N = self.max_batch, self.num_ctas
         seq_lens = cute.make_tensor(p_seq_lens, cute.make_layout(batch))
         outputs = (cute.make_tensor(p_cta_tile_start, cute.make_layout(N + 1)),
@@ -188,10 +191,10 @@ class _PlannerSM90:
 class WarpPlanSplitsSM90(_PlannerSM90):
     """The barrier-free form (module docstring): boundary warps, then one request warp."""
 
-    def __init__(self, max_batch: int, num_ctas: int, tile_tokens: int, segment_overhead: int, pdl: bool = False):
-        super().__init__(max_batch, num_ctas, tile_tokens, segment_overhead, pdl)
-        self.per_lane = -(-max_batch // LANES)
-        self.boundary_warps = min(MAX_BOUNDARY_WARPS, -(-(num_ctas + 1) // LANES))
+    def __init__(self, cfg: PlannerConfig):
+        super().__init__(cfg)
+        self.per_lane = -(-cfg.max_batch // LANES)
+        self.boundary_warps = min(MAX_BOUNDARY_WARPS, -(-(cfg.num_ctas + 1) // LANES))
         self.threads = LANES * (self.boundary_warps + 1)
 
     @cute.jit
@@ -284,11 +287,11 @@ class WarpPlanSplitsSM90(_PlannerSM90):
 class CtaPlanSplitsSM90(_PlannerSM90):
     """The 512-thread form for large plans (module docstring)."""
 
-    def __init__(self, max_batch: int, num_ctas: int, tile_tokens: int, segment_overhead: int, pdl: bool = False):
-        super().__init__(max_batch, num_ctas, tile_tokens, segment_overhead, pdl)
+    def __init__(self, cfg: PlannerConfig):
+        super().__init__(cfg)
         self.threads = THREADS
-        self.per_thread = -(-max_batch // THREADS)
-        self.per_request_thread = -(-max_batch // (THREADS - REQUEST_THREAD0))
+        self.per_thread = -(-cfg.max_batch // THREADS)
+        self.per_request_thread = -(-cfg.max_batch // (THREADS - REQUEST_THREAD0))
 
     @cute.jit
     def _exclusive_scan(self, values, scratch: cute.Tensor, warp, lane, warps: cutlass.Constexpr = WARPS,
@@ -406,22 +409,24 @@ class CtaPlanSplitsSM90(_PlannerSM90):
             request_tile_start[B] = req_start[B]
 
 
-_compiled = {}
+FORMS = {"warp": WarpPlanSplitsSM90, "cta": CtaPlanSplitsSM90}
 
 
-def compile_plan_splits_sm90(max_batch: int, num_ctas: int, tile_tokens: int, segment_overhead: int):
-    """The compiled planner for a plan shape, cached by its static key (no GPU needed to compile)."""
-    key = (max_batch, num_ctas, tile_tokens, segment_overhead, use_pdl())
-    if key not in _compiled:
-        form = WarpPlanSplitsSM90 if max_batch <= WARP_PLANNER_MAX_BATCH else CtaPlanSplitsSM90
-        op = form(*key)
-        _compiled[key] = cute.compile(op, *(gmem_ptr(Int32, 4) for _ in range(7)), Int32(1), cuda_stream())
-    return _compiled[key]
+def compile_planner(cfg: PlannerConfig):
+    """The compiled planner of a configuration (once per configuration: `jit_cache`; no GPU needed)."""
+    return jit_cache.compiled(cfg, lambda: (FORMS[cfg.form](cfg),
+                                            (*(gmem_ptr(Int32, 4) for _ in range(7)), Int32(1), cuda_stream())))
 
 
-def run_plan_splits_sm90(seq_lens, plan, stream) -> None:
-    """Refill `plan` (a SplitPlan on the GPU) from device `seq_lens` (int32 [batch <= max_batch])."""
-    fn = compile_plan_splits_sm90(plan.max_batch, plan.num_ctas, plan.tile_tokens, plan.segment_overhead)
+def run_planner(seq_lens, plan, stream, cfg: PlannerConfig = None) -> None:
+    """Refill `plan` (a SplitPlan on the GPU) from device `seq_lens` (int32 [batch <= max_batch]) with the
+    planner of `cfg` (default: the runtime's for the plan's shape)."""
+    if cfg is None:
+        cfg = _planner_config(plan.max_batch, plan.num_ctas, plan.tile_tokens, plan.segment_overhead)
+    fn = compile_planner(cfg)
     seq_lens = seq_lens.contiguous()
     fn(*(gmem_ptr(Int32, 4, t.data_ptr()) for t in (seq_lens, *plan.tensors())), Int32(seq_lens.shape[0]),
        cuda_stream(stream))
+
+
+_planner_config = functools.lru_cache(maxsize=None)(planner_config)

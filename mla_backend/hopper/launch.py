@@ -1,4 +1,4 @@
-"""Torch -> CuTe DSL launch arguments shared by the SM90 launchers, and their programmatic-dependent-launch switch.
+"""Torch -> CuTe DSL launch arguments shared by the SM90 launchers, and the programmatic-dependent-launch prologue.
 
 The kernels take raw global-memory pointers plus their run-time extents, never framework tensors: converting a
 torch tensor (DLPack) costs microseconds of host time each, several per call, which eager callers pay on every
@@ -6,8 +6,6 @@ step. Compilation uses the same pointer type at a dummy address, so it needs no 
 """
 
 from __future__ import annotations
-
-import os
 
 import cuda.bindings.driver as cuda
 import cutlass.cute as cute
@@ -45,24 +43,12 @@ def cuda_stream(stream=None):
     return _cached(_streams, handle, lambda: cuda.CUstream(handle))
 
 
-PDL_ENV = "CUTE_MLA_PDL"
-
-
-def use_pdl() -> bool:
-    """Whether the planner, decode and combine kernels are compiled for programmatic dependent launch (the
-    default; CUTE_MLA_PDL=0 turns it off): each is launched while the kernel before it in the stream still runs,
-    and waits with griddepcontrol.wait before its first global-memory access, so its launch and CTA start-up
-    overlap the previous kernel's tail instead of following it. A kernel that follows one launched without PDL
-    (any engine kernel) starts as usual, after it. Part of every kernel's compile key."""
-    value = os.environ.get(PDL_ENV, "1").strip()
-    if value not in ("0", "1"):
-        raise ValueError(f"{PDL_ENV} must be 0 or 1, got {value!r}")
-    return value == "1"
-
-
 def pdl_prologue(pdl: bool):
-    """Inside a kernel: with PDL, wait for the previous kernel in the stream (its completion and memory
-    flush) and let the next PDL kernel start launching. Must precede every global-memory access."""
+    """Inside a kernel compiled for programmatic dependent launch (the default, `CUTE_MLA_PDL`): wait for the
+    previous kernel in the stream (its completion and memory flush) and let the next PDL kernel start launching.
+    Must precede every global-memory access. Each kernel is then launched while the one before it still runs, so
+    its launch and CTA start-up overlap that kernel's tail; a kernel that follows one launched without PDL (any
+    engine kernel) starts as usual, after it."""
     if pdl:
         cute.arch.griddepcontrol_wait()
         cute.arch.griddepcontrol_launch_dependents()

@@ -1,0 +1,287 @@
+"""Static configuration of every kernel, the policies that pick one for a shape, and the environment switches.
+
+A kernel is compiled once per configuration: a frozen dataclass (`DecodeConfig`, `CombineConfig`, `PlannerConfig`)
+that holds every compile-time choice, resolved here and nowhere else. `jit_cache` keys its cache by these
+objects, and the kernels read their static choices from them.
+
+The environment switches are read once, on first use (`environment()`), and only become defaults of the
+configurations built afterwards; no launch path reads the environment. README lists them:
+
+| variable | values | effect |
+| --- | --- | --- |
+| `CUTE_MLA_P_PRECISION` | `fp8`, `fp8x2` | default of the op's `p_precision` (an explicit argument wins) |
+| `CUTE_MLA_PDL` | `1` (default), `0` | programmatic dependent launch of the planner, decode and combine kernels |
+| `CUTE_MLA_KERNEL_CACHE` | a directory | compiled kernels are loaded from there, and written there when compiled |
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import FrozenSet, Mapping, Optional
+
+from .shapes import SUPPORTED_PAGE_SIZES, check_shape, default_rows_per_block
+
+# ---------------------------------------------------------------------------------------------- precision
+# How the softmax probabilities P enter the FP8 P.V MMA (README, docs/performance.md "Numerics"):
+# - "fp8": one e4m3 plane wherever that is faster (blocks of more than 16 query rows); relative L2 error against
+#   the fp32 reference 3-9e-3, the level of FlashMLA's dense FP8 kernel on the same inputs;
+# - "fp8x2": two planes, hi = e4m3(p) and lo = e4m3(p - hi), everywhere: the bf16 output's own rounding
+#   (1.6-1.9e-3), at up to twice the P.V tensor work.
+# 16-row blocks (the memory-bound TP8 decode) take two planes in either mode: one measured no faster there.
+P_PRECISIONS = ("fp8", "fp8x2")
+DEFAULT_P_PRECISION = "fp8"
+# P is stored as e4m3(p * P_SCALE): p in [2^-14, 1] stays in e4m3's normal range, p * 256 <= 448
+P_SCALE = 256.0
+
+
+def check_p_precision(value, name: str = "p_precision") -> str:
+    if value not in P_PRECISIONS:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, P_PRECISIONS))}, got {value!r}")
+    return value
+
+
+# --------------------------------------------------------------------------------------------- environment
+P_PRECISION_ENV = "CUTE_MLA_P_PRECISION"
+PDL_ENV = "CUTE_MLA_PDL"
+KERNEL_CACHE_ENV = "CUTE_MLA_KERNEL_CACHE"
+
+
+@dataclass(frozen=True)
+class Environment:
+    p_precision: str = DEFAULT_P_PRECISION
+    pdl: bool = True
+    kernel_cache: Optional[str] = None
+
+
+def read_environment(environ: Mapping[str, str] = os.environ) -> Environment:
+    """The switches of `environ` (README's table), each checked with an error naming the variable."""
+    p_precision = environ.get(P_PRECISION_ENV, "").strip() or DEFAULT_P_PRECISION
+    check_p_precision(p_precision, P_PRECISION_ENV)
+    pdl = environ.get(PDL_ENV, "1").strip()
+    if pdl not in ("0", "1"):
+        raise ValueError(f"{PDL_ENV} must be 0 or 1, got {pdl!r}")
+    cache = environ.get(KERNEL_CACHE_ENV, "").strip() or None
+    return Environment(p_precision=p_precision, pdl=pdl == "1", kernel_cache=cache)
+
+
+_environment: Optional[Environment] = None
+
+
+def environment() -> Environment:
+    """The process's switches, read from os.environ the first time they are needed."""
+    global _environment
+    if _environment is None:
+        _environment = read_environment()
+    return _environment
+
+# ------------------------------------------------------------------------------------------------- decode
+DECODE_ARCHS = ("sm_90a",)
+# Research switches of the decode kernel (benchmarks/ablate_decode.py): parts of each chunk's work left out, so
+# that timing the rest says what they cost. The outputs are then wrong.
+DECODE_PARTS = ("load", "s", "store_s", "softmax", "rescale", "pv")
+TIMELINE_CHUNKS = 40  # chunks stamped per CTA by a timeline build (benchmarks/timeline_decode.py)
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Everything the SM90 decode kernel is compiled for.
+
+    rows_per_block 16 runs the ping-pong schedule (`hopper/decode_rows16.py`), 32, 48 and 64 the S^T-warpgroup
+    schedule (`hopper/decode_swg.py`). `skip` and `timeline` are research builds (benchmarks/): `skip` leaves
+    parts of the work out, `timeline` stores SM clock stamps of chunks [timeline, timeline + TIMELINE_CHUNKS) of
+    each stamped CTA into the workspace's last slot."""
+
+    num_heads: int
+    q_len: int
+    page_size: int
+    tile_tokens: int
+    causal: bool
+    rows_per_block: int
+    num_stages: int
+    p_planes: int
+    pdl: bool
+    arch: str = "sm_90a"
+    p_scale: float = P_SCALE
+    skip: FrozenSet[str] = field(default_factory=frozenset)
+    timeline: Optional[int] = None
+
+    def __post_init__(self):
+        if self.page_size <= 0 or self.page_size & (self.page_size - 1):
+            raise ValueError(f"page_size must be a power of two, got {self.page_size}")
+        if self.tile_tokens <= 0 or (self.tile_tokens % self.page_size and self.page_size % self.tile_tokens):
+            raise ValueError(f"tile_tokens ({self.tile_tokens}) and page_size ({self.page_size}) must divide one "
+                             f"another")
+        if self.rows_per_block not in (16, 32, 48, 64):
+            raise ValueError(f"rows_per_block must be 16, 32, 48 or 64, got {self.rows_per_block}")
+        if self.rows_per_block == 16 and self.num_stages != 4:
+            raise ValueError("16-row blocks (the ping-pong schedule) run 4 ring stages, 2 per warpgroup")
+        if self.num_stages < 3:
+            raise ValueError(f"num_stages must be at least 3 (chunks ci, ci + 1 in use, one in flight), got "
+                             f"{self.num_stages}")
+        if self.p_planes not in (1, 2):
+            raise ValueError(f"p_planes must be 1 (e4m3 P) or 2 (hi/lo e4m3 P), got {self.p_planes}")
+        if self.arch not in DECODE_ARCHS:
+            raise ValueError(f"arch must be one of {DECODE_ARCHS}, got {self.arch!r}")
+        if self.timeline is not None and (self.rows_per_block == 16 or self.timeline < 0):
+            raise ValueError("timeline builds stamp the S^T-warpgroup schedule (32-64 rows) from a chunk >= 0")
+        unknown = set(self.skip) - set(DECODE_PARTS)
+        if unknown:
+            raise ValueError(f"skip names unknown parts {sorted(unknown)}; known: {', '.join(DECODE_PARTS)}")
+        object.__setattr__(self, "skip", frozenset(self.skip))
+
+    @property
+    def schedule(self) -> str:
+        return "rows16" if self.rows_per_block == 16 else "swg"
+
+    @property
+    def num_rows(self) -> int:
+        return self.num_heads * self.q_len
+
+    @property
+    def num_row_blocks(self) -> int:
+        return -(-self.num_rows // self.rows_per_block)
+
+    def runs(self, part: str) -> bool:
+        """Whether the kernel does this part of its work (False only in ablation builds)."""
+        return part not in self.skip
+
+
+def default_num_stages(rows_per_block: int) -> int:
+    """KV ring stages: 4 up to 32 rows; 48 and 64 rows fit shared memory with 3 (Q and S^T grow with the rows)."""
+    return 4 if rows_per_block <= 32 else 3
+
+
+def p_planes_for(p_precision: str, rows_per_block: int) -> int:
+    """e4m3 planes of P for a precision mode: one only where it is faster, above 16 rows (see P_PRECISIONS)."""
+    check_p_precision(p_precision)
+    return 1 if p_precision == "fp8" and rows_per_block > 16 else 2
+
+
+def decode_config(num_heads: int, q_len: int, page_size: int, *, tile_tokens: int = 64, causal: bool = True,
+                  p_precision: Optional[str] = None, rows_per_block: Optional[int] = None,
+                  num_stages: Optional[int] = None, p_planes: Optional[int] = None, arch: str = "sm_90a",
+                  env: Optional[Environment] = None, **research) -> DecodeConfig:
+    """The decode configuration the runtime uses for a shape; keyword overrides are for tests and benchmarks."""
+    env = env or environment()
+    rows = default_rows_per_block(num_heads, q_len) if rows_per_block is None else rows_per_block
+    if p_planes is None:
+        p_planes = p_planes_for(env.p_precision if p_precision is None else p_precision, rows)
+    return DecodeConfig(num_heads=num_heads, q_len=q_len, page_size=page_size, tile_tokens=tile_tokens,
+                        causal=bool(causal), rows_per_block=rows,
+                        num_stages=default_num_stages(rows) if num_stages is None else num_stages,
+                        p_planes=p_planes, pdl=env.pdl, arch=arch, **research)
+
+
+# ------------------------------------------------------------------------------------------------ combine
+# Small batches merge each row with COMBINE_DIM_SPLITS CTAs, each over a quarter of the 512 output columns (each
+# recomputes the split weights: a few hundred floats). One CTA per (request, row) gave B1 12 CTAs on 132 SMs,
+# each reading all of the row's ~130 partials: ~8 us of a 1M-token step. With more rows than SMs the quarters
+# only multiply the weight work (measured: 8K x B128 combine 7.6 -> 12.1 us), so those keep one CTA per row.
+COMBINE_DIM_SPLITS = 4
+# Warp mode: a warp merges a row of a request with at most HEAVY_SPLITS splits; a request with more is "heavy".
+HEAVY_SPLITS = 32
+# warp mode only above this many rows per SM and below this many plan CTAs per request (`combine_config`)
+WARP_MODE_ROWS_PER_SM = 4
+WARP_MODE_CTAS_PER_REQUEST = 6
+
+
+@dataclass(frozen=True)
+class CombineConfig:
+    """The combine kernel (`hopper/combine.py`): query rows per request (q_len x heads), CTAs sharing a row's 512
+    columns (1 or COMBINE_DIM_SPLITS), whether each warp loads its first partials before the LSE reductions
+    (`prefetch_all`, which also keeps the grid to one CTA per SM), and the mode: heavy_slots -1 for row mode, else
+    warp mode with room for that many heavy requests."""
+
+    rows: int
+    dim_splits: int = 1
+    pdl: bool = True
+    prefetch_all: bool = False
+    heavy_slots: int = -1
+    arch: str = "sm_90a"
+
+
+def combine_config(batch: int, rows: int, num_sms: int, num_ctas: int, env: Optional[Environment] = None) -> CombineConfig:
+    """The combine the runtime launches for a batch (`batch` requests of `rows` query rows, a plan of num_ctas CTAs
+    on num_sms SMs).
+
+    Row mode (a CTA, or COMBINE_DIM_SPLITS CTAs, per row) unless the batch has more than WARP_MODE_ROWS_PER_SM rows
+    per SM and fewer than WARP_MODE_CTAS_PER_REQUEST plan CTAs per request: a warp merges its row's splits one after
+    the other, which beats a CTA per row only for many rows of few splits. H200, combine alone, row -> warp mode:
+    8K x B64 3.8 -> 2.7 us, 8K x B128 5.8 -> 2.6, q_len 8 128K x B16 (66 plan CTAs) 6.2 -> 4.0-4.3, 128K + 63 x 2K
+    4.9-5.0 -> 2.8; but q_len 1 128K x B16 (8 splits a request) 2.4 -> 3.0, 1M x B16 2.5 -> 3.1, q_len 8 128K x B4
+    4.1 -> 5.7, and 8K x B32 (384 rows) the same alone with steps 1.3-1.7 us slower. Warp mode keeps CTAs for as many
+    heavy requests as the plan can hold: consecutive requests share at most one CTA, so n of them hold at least
+    32 n + 1.
+
+    In row mode, the quarters while all rows fit one wave of CTAs, and the prefetch of every split (with one CTA
+    per SM) while the quartered grid does: the small batches whose requests have the most splits. H200, steps in
+    alternating runs: H12 q_len 1 128K x B1 34.1-34.5 -> 31.9-32.3 us, 1M x B1 155.0-158.6 -> 153.4-156.5; one CTA
+    per SM: 128K x B1 31.8-32.0 -> 31.4-31.5 us, 128K x B2 49.7-50.0 -> 49.2-49.5, 1M x B1 154.4-154.7 ->
+    153.8-153.9."""
+    env = env or environment()
+    many_rows = batch * rows > WARP_MODE_ROWS_PER_SM * num_sms
+    if many_rows and num_ctas < WARP_MODE_CTAS_PER_REQUEST * batch:
+        # the heavy rows in quarters of their columns while those CTAs (rows x quarters) fit one per SM
+        dims = COMBINE_DIM_SPLITS if rows * COMBINE_DIM_SPLITS <= num_sms else 1
+        return CombineConfig(rows, dims, env.pdl, False, num_ctas // HEAVY_SPLITS)
+    dims = COMBINE_DIM_SPLITS if batch * rows <= num_sms else 1
+    return CombineConfig(rows, dims, env.pdl, batch * rows * COMBINE_DIM_SPLITS <= num_sms, -1)
+
+
+# ------------------------------------------------------------------------------------------------ planner
+# CTAs of a plan at most: the combine keeps one weight per split of a request in shared memory, and a request
+# has at most one split per plan CTA
+MAX_PLAN_CTAS = 2048
+# Lengths are planned as min(max(L, 0), MAX_PLANNED_KV_LEN): 16x the longest context we serve, and small enough
+# that a plan's tile and cost sums stay in int32 whatever garbage a CUDA graph is replayed with (the kernel
+# clamps page indices to the block table's width, so a clamped length never reads out of bounds either).
+MAX_PLANNED_KV_LEN = 1 << 24
+# the planner's barrier-free warp form up to this max_batch, its 512-thread form above (hopper/planner.py)
+WARP_PLANNER_MAX_BATCH = 64
+PLANNER_FORMS = ("warp", "cta")
+
+
+@dataclass(frozen=True)
+class PlannerConfig:
+    """The device planner (`hopper/planner.py`), compiled for a plan's fixed shape."""
+
+    max_batch: int
+    num_ctas: int
+    tile_tokens: int
+    segment_overhead: int
+    pdl: bool = True
+    form: str = "warp"
+    arch: str = "sm_90a"
+
+    def __post_init__(self):
+        if self.form not in PLANNER_FORMS:
+            raise ValueError(f"form must be one of {PLANNER_FORMS}, got {self.form!r}")
+
+
+def planner_config(max_batch: int, num_ctas: int, tile_tokens: int, segment_overhead: int,
+                   env: Optional[Environment] = None, form: Optional[str] = None) -> PlannerConfig:
+    env = env or environment()
+    if form is None:
+        form = "warp" if max_batch <= WARP_PLANNER_MAX_BATCH else "cta"
+    return PlannerConfig(max_batch, num_ctas, tile_tokens, segment_overhead, env.pdl, form)
+
+
+# ------------------------------------------------------------------------------------- a shape's variants
+def decode_shape_configs(num_heads: int, q_len: int, page_size: int, *, max_batch: int, num_sms: int,
+                         num_ctas: int, tile_tokens: int = 64, segment_overhead: int, causal: bool = True,
+                         p_precision: Optional[str] = None, env: Optional[Environment] = None):
+    """Every kernel configuration the runtime can launch for decodes of this shape with plans of max_batch
+    requests and num_ctas CTAs: the decode, one planner, and each combine a batch of 1..max_batch can pick.
+    What `python -m mla_backend compile` builds and the engine adapters prepare at start-up."""
+    env = env or environment()
+    check_shape(num_heads=num_heads, q_len=q_len, page_size=page_size, batch=max_batch)
+    if page_size not in SUPPORTED_PAGE_SIZES:
+        raise ValueError(f"page_size must be one of {SUPPORTED_PAGE_SIZES}, got {page_size}")
+    decode = decode_config(num_heads, q_len, page_size, tile_tokens=tile_tokens, causal=causal,
+                           p_precision=p_precision, env=env)
+    planner = planner_config(max_batch, num_ctas, tile_tokens, segment_overhead, env)
+    rows = num_heads * q_len
+    combines = sorted({combine_config(b, rows, num_sms, num_ctas, env) for b in range(1, max_batch + 1)},
+                      key=lambda c: (c.heavy_slots, c.dim_splits, c.prefetch_all))
+    return [decode, planner, *combines]

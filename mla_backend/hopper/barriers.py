@@ -1,0 +1,10 @@
+"""Named barrier ids of the SM90 decode kernels (0 is the CTA's `bar.sync 0`; ids go up to 15)."""
+
+# ping-pong (16-row blocks): warpgroup wg synchronises with itself on barrier PINGPONG_WG + wg
+PINGPONG_WG = 1
+
+# S^T-warpgroup schedule (decode_swg.py)
+PV_BAR = 1  # warpgroups 0 and 1 (256 threads): P(ci) and alpha(ci) written
+S_FULL = 2  # + buffer (2, 3): S^T(j) stored and its chunk landed; the S^T warpgroup arrives, 0 and 1 wait
+S_FREE = 4  # + buffer (4, 5): S^T(j) read and the V^T registers of chunk j loaded; 0 and 1 arrive, the S^T wg waits
+LOAD_BAR = 6  # the S^T warpgroup alone: every copy of a chunk landed

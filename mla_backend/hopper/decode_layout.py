@@ -1,0 +1,61 @@
+"""Constants and shared-memory layouts of the SM90 decode kernels (docs/design.md explains them).
+
+- The KV ring and Q are K-major 128B-swizzled blocks of 128 bytes per row, the layout FP8 wgmma reads: byte
+  (row r, 16-byte piece c16 of block kb) lives at kb * BLOCK + r * 128 + ((c16 ^ (r % 8)) * 16). 576 bytes are
+  4.5 blocks (KV_BLOCKS = 5, the rope half block keeps its own 128-byte rows).
+- P^T (rows x 64 tokens, K-major) for the P.V wgmma: 8-row x 16-byte core matrices of 128 contiguous bytes, P_LBO
+  apart along the tokens and P_SBO apart along the rows; one such plane for hi and one for lo.
+- S^T (rows x 64 tokens, fp32) in rows padded to S_STRIDE floats.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+
+from ..shapes import KV_DIM, LATENT_DIM
+
+V_DIM = LATENT_DIM
+PIECES = KV_DIM // 16  # 16-byte pieces per token row
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+SM90_SMEM_CAPACITY = 227 * 1024  # dynamic shared memory per CTA
+KV_BLOCKS = 5
+P_LBO = 128
+P_SBO = 4 * 128
+CHUNK = 64  # tokens per ring stage: the wgmma M of S^T
+WARPGROUP = 128  # threads
+SOFTMAX_THREADS = 2 * WARPGROUP  # the two warpgroups that run the softmax (ping-pong: one chunk each)
+S_K_GROUPS = 2  # S^T partials: the 18 k32 steps of the 576 bytes as two chains of 9
+S_STRIDE = 64 + 8  # padded fp32 row of S^T
+
+FP8 = cutlass.Float8E4M3FN
+BF16 = cutlass.BFloat16
+
+
+def swizzle128():
+    """XOR byte-offset bits 4-6 (the 16-byte piece) with bits 7-9 (row % 8)."""
+    return cute.make_swizzle(3, 4, 3)
+
+
+def ring_layout(num_stages: int):
+    """(16 bytes, (8 pieces, KV_BLOCKS blocks), CHUNK tokens, stage) over the swizzled ring."""
+    return cute.make_composed_layout(swizzle128(), 0, cute.make_layout(
+        (16, (8, KV_BLOCKS), CHUNK, num_stages), stride=(1, (16, CHUNK * 128), 128, CHUNK * 128 * KV_BLOCKS)))
+
+
+def q_layout(rows: int):
+    """(16 bytes, (8 pieces, KV_BLOCKS blocks), row) over the swizzled Q block."""
+    return cute.make_composed_layout(swizzle128(), 0, cute.make_layout(
+        (16, (8, KV_BLOCKS), rows), stride=(1, (16, rows * 128), 128)))
+
+
+def p_words_layout(rows: int):
+    """P words: (word w of a row = tokens pi(4w .. 4w + 3), row, plane, buffer) as Int32, core-matrix layout."""
+    return cute.make_layout(((4, 4), (8, rows // 8), 2, 2),
+                            stride=((1, P_LBO // 4), (4, P_SBO // 4), rows * 16, 2 * rows * 16))
+
+
+def s_full_layout(rows: int):
+    """S^T of a whole chunk: (row, token, one part, buffer or warpgroup)."""
+    return cute.make_layout((rows, CHUNK, 1, 2), stride=(S_STRIDE, 1, 0, rows * S_STRIDE))

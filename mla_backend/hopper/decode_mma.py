@@ -1,0 +1,175 @@
+"""The tensor-core work of the SM90 decode kernels: S^T = K.Q^T and O^T += V^T.P^T as FP8 wgmmas.
+
+- S^T = K.Q^T with wgmma m64 x ROWS x k32: the chunk's 64 tokens fill the 64 M rows and the query rows are N
+  (16 to 64), so 12 or 16 heads do not pad M = 64 four- to five-fold. The 18 k32 steps of the 576 bytes run as
+  two chains of 9 summed in fp32: the FP8 wgmma accumulator keeps fewer mantissa bits than fp32, and one chain of
+  18 measured 4x the lse error (2.4e-3 against 5.6e-4).
+- O^T += V^T.P^T with wgmma m64 x ROWS x k32, A from registers: FP8 wgmma wants K-major shared-memory operands and
+  V is token-major, so instead of a transposed copy, ldmatrix.trans (b16) on 32 tokens x 16 bytes gives lane
+  (g, t) the byte pairs of tokens (2t, 2t+1) at dims (2g, 2g+1), and `prmt` regroups them into A registers: M row
+  g = dim 2g, row g + 8 = dim 2g + 1, k = token pi(k) = 16*(k/16) + 8*((k%4)/2) + 2*((k%16)/4) + k%2 within each
+  32 tokens. The softmax writes P^T in that token order (K-major core matrices, the wgmma B operand), so no data
+  moves twice, and the latent is read from DRAM once per CTA for both products.
+- O^T (512 x ROWS, fp32) lives in registers, in m64 tiles of dims: in tile t (dims [64 t, 64 t + 64)), warp wl's
+  16 M rows are dims d0 = 64 t + 16 wl: rows 0-7 the even dims d0 + 2g, rows 8-15 the odd ones. Its A registers
+  come from ldmatrix.trans on tokens 32 ks + lane, 16 bytes at d0, which sit in block d0 / 128, piece
+  (d0 % 128) / 16.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+
+from ..shapes import KV_DIM
+from .decode_layout import CHUNK, KV_BLOCKS, P_LBO, P_SBO
+from .ptx import (fence_operand, ldmatrix_x4, prmt, wgmma_commit, wgmma_fence, wgmma_rs_e4m3, wgmma_ss_e4m3,
+                  wgmma_wait)
+
+
+class DecodeMMA:
+    """Mixin of the decode kernels (`decode_common.MLADecodeSM90`): needs self.cfg and self.rows."""
+
+    @cute.jit
+    def _issue_s(self, acc_S: cute.Tensor, ring_addr: Int32, q_addr: Int32, stage: Int32, k0: Int32,
+                 ksteps: cutlass.Constexpr):
+        """Issue (and commit, not wait for) S^T = K.Q^T of the chunk in `stage` over the k32 steps
+        [k0, k0 + ksteps) of the 576 bytes. (A research build without S issues no wgmma.)"""
+        C = CHUNK
+        ROWS = self.rows
+        stage_addr = ring_addr + stage * (C * 128 * KV_BLOCKS)
+        wgmma_fence()
+        for kk in cutlass.range_constexpr(ksteps if self.cfg.runs("s") else 0):
+            ks = k0 + kk
+            kb = ks // 4
+            koff = (ks % 4) * 32
+            d = wgmma_ss_e4m3(stage_addr + kb * (C * 128) + koff, q_addr + kb * (ROWS * 128) + koff,
+                              [acc_S[i] for i in range(ROWS // 2)], 0 if kk == 0 else 1)
+            for i in cutlass.range_constexpr(ROWS // 2):
+                acc_S[i] = d[i]
+        wgmma_commit()
+
+    @cute.jit
+    def _issue_s_chains(self, acc_S: cute.Tensor, acc_S2: cute.Tensor, ring_addr: Int32, q_addr: Int32,
+                        stage: Int32):
+        """Issue S^T of the chunk in `stage` over all 18 k32 steps, as two chains of 9 (module docstring)."""
+        half = KV_DIM // 64
+        self._issue_s(acc_S, ring_addr, q_addr, stage, 0, half)
+        self._issue_s(acc_S2, ring_addr, q_addr, stage, half, half)
+
+    @cute.jit
+    def _sum_s_chains(self, acc_S: cute.Tensor, acc_S2: cute.Tensor):
+        """Wait for the two chains of `_issue_s_chains` and add the second into acc_S, in fp32."""
+        wgmma_wait(0)
+        for i in cutlass.range_constexpr(self.rows // 2):
+            acc_S[i] = fence_operand(acc_S[i]) + fence_operand(acc_S2[i])
+
+    @cute.jit
+    def _store_s(self, acc_S: cute.Tensor, sS_chunk: cute.Tensor, part: Int32, wl: Int32, lg: Int32, lt: Int32):
+        """Write a warpgroup's S^T (partial) after wgmma_wait to sS_chunk[..., part] (row, token, part):
+        acc_S[4i + 0/1] = (token 16 wl + lg, rows 8i + 2 lt + 0/1), [4i + 2/3] = token + 8."""
+        ROWS = self.rows
+        for i in cutlass.range_constexpr(ROWS // 2):
+            acc_S[i] = fence_operand(acc_S[i])
+        for i in cutlass.range_constexpr(ROWS // 8 if self.cfg.runs("store_s") else 0):
+            tok = wl * 16 + lg
+            r = i * 8 + 2 * lt
+            sS_chunk[r, tok, part] = acc_S[4 * i + 0]
+            sS_chunk[r + 1, tok, part] = acc_S[4 * i + 1]
+            sS_chunk[r, tok + 8, part] = acc_S[4 * i + 2]
+            sS_chunk[r + 1, tok + 8, part] = acc_S[4 * i + 3]
+
+    @cute.jit
+    def _rescale_o(self, acc_O: cute.Tensor, sAlpha: cute.Tensor, lt: Int32, skip_when_unit: cutlass.Constexpr):
+        """O^T *= alpha of each row: acc_O[t * NA + 4j + e] = (dim d0 + 2 lg, row 8j + 2 lt + e),
+        [.. + 2 + e] = (dim + 1, same row).
+
+        skip_when_unit: skip the multiplies when every alpha of the thread is 1. alpha = exp2(old max - new max)
+        is exactly 1 when a row's max did not move, which after the first chunks of a long segment is most chunks,
+        so the skip changes no bit of O^T. It pays in the 16-row ping-pong schedule (H200, decode alone: H12 q1
+        1M x B1 176.5 -> 165.0 us, 128K x B4 91.6 -> 88.2) and cost 3-4% where the branch sat between two wgmma
+        waits (the earlier two-warpgroup schedule for more rows: H12 q8 1M x B1 526.0 -> 544.6 us)."""
+        ROWS = self.rows
+        NA = ROWS // 2
+        als = cute.make_rmem_tensor(cute.make_layout((ROWS // 4,)), Float32)  # this thread's rows 8j + 2 lt + e
+        for j in cutlass.range_constexpr(ROWS // 8):
+            for e in cutlass.range_constexpr(2):
+                als[2 * j + e] = sAlpha[8 * j + 2 * lt + e]
+        if cutlass.const_expr(not self.cfg.runs("rescale")):
+            pass  # research build: O^T is not rescaled
+        elif cutlass.const_expr(skip_when_unit):
+            al_min = Float32(1.0)
+            for i in cutlass.range_constexpr(ROWS // 4):
+                al_min = cute.arch.fmin(al_min, als[i])
+            if al_min < Float32(1.0):
+                self._scale_rows(acc_O, als)
+        else:
+            self._scale_rows(acc_O, als)
+
+    @cute.jit
+    def _scale_rows(self, acc_O: cute.Tensor, als: cute.Tensor):
+        """acc_O rows (see _rescale_o) times this thread's row factors als[2j + e]."""
+        NA = self.rows // 2
+        for j in cutlass.range_constexpr(self.rows // 8):
+            for e in cutlass.range_constexpr(2):
+                for t in cutlass.range_constexpr(cute.size(acc_O) // NA):
+                    acc_O[t * NA + 4 * j + e] = acc_O[t * NA + 4 * j + e] * als[2 * j + e]
+                    acc_O[t * NA + 4 * j + 2 + e] = acc_O[t * NA + 4 * j + 2 + e] * als[2 * j + e]
+
+    @cute.jit
+    def _issue_pv(self, acc_O: cute.Tensor, stage_addr: Int32, p_addr: Int32, acc_tile0: cutlass.Constexpr,
+                  dim_tile0: Int32, wl: Int32, lane: Int32):
+        """Issue (and commit) O^T += V^T.P^T for 4 m64 tiles of dims: accumulator tiles [acc_tile0, + 4) are the
+        dim tiles [dim_tile0, + 4). All A registers first (32 per thread), then one fence and 16 back-to-back
+        wgmmas (2 k32 steps x the planes of P)."""
+        self._issue_pv_regs(acc_O, self._load_vt(stage_addr, dim_tile0, wl, lane), p_addr, acc_tile0)
+
+    @cute.jit
+    def _load_vt(self, stage_addr: Int32, dim_tile0: Int32, wl: Int32, lane: Int32):
+        """The A registers of P.V for 4 m64 tiles of dims (32 per thread): V^T by ldmatrix.trans + prmt."""
+        C = CHUNK
+        a_regs = []
+        for t in cutlass.range_constexpr(4):
+            tile = dim_tile0 + t
+            piece = ((tile % 2) * 4 + wl) ^ (lane % 8)
+            v_addr = stage_addr + (tile // 2) * (C * 128) + lane * 128 + piece * 16
+            for ks in cutlass.range_constexpr(C // 32):
+                m = ldmatrix_x4(v_addr + ks * 32 * 128, True)
+                a_regs.append((prmt(m[0], m[1], 0x6420), prmt(m[0], m[1], 0x7531),
+                               prmt(m[2], m[3], 0x6420), prmt(m[2], m[3], 0x7531)))
+        return a_regs
+
+    @cute.jit
+    def _issue_pv_regs(self, acc_O: cute.Tensor, a_regs, p_addr: Int32, acc_tile0: cutlass.Constexpr):
+        """Issue (and commit) the 16 P.V wgmmas on A registers from `_load_vt`."""
+        wgmma_fence()
+        self._pv_wgmmas(acc_O, lambda t, ks: a_regs[t * (CHUNK // 32) + ks], p_addr, acc_tile0, 0, 4)
+        wgmma_commit()
+
+    @cute.jit
+    def _pv_wgmmas(self, acc_O: cute.Tensor, a_of, p_addr: Int32, acc_tile0: cutlass.Constexpr,
+                   t0: cutlass.Constexpr, t1: cutlass.Constexpr):
+        """The P.V wgmmas of dim tiles [t0, t1) (2 k32 steps x the P planes each) into accumulator tiles
+        acc_tile0 + t; a_of(t, ks) gives the 4 A registers. (A research build without P.V issues none.)"""
+        C = CHUNK
+        ROWS = self.rows
+        NA = ROWS // 2
+        for t in cutlass.range_constexpr(t0, t1 if self.cfg.runs("pv") else t0):
+            at = acc_tile0 + t
+            for ks in cutlass.range_constexpr(C // 32):
+                for plane in cutlass.range_constexpr(self.cfg.p_planes):
+                    d = wgmma_rs_e4m3(a_of(t, ks), p_addr + plane * (ROWS * 64) + ks * 2 * P_LBO,
+                                      P_LBO, P_SBO, [acc_O[at * NA + i] for i in range(NA)])
+                    for i in cutlass.range_constexpr(NA):
+                        acc_O[at * NA + i] = d[i]
+
+    @cute.jit
+    def _issue_pv_part(self, acc_O: cute.Tensor, vt: cute.Tensor, p_addr: Int32, t0: cutlass.Constexpr,
+                       t1: cutlass.Constexpr, fence: cutlass.Constexpr):
+        """Issue (and commit) the P.V wgmmas of dim tiles [t0, t1) on the V^T registers kept in vt."""
+        KS = CHUNK // 32
+        if cutlass.const_expr(fence):
+            wgmma_fence()
+        self._pv_wgmmas(acc_O, lambda t, ks: tuple(vt[4 * (t * KS + ks) + k] for k in range(4)), p_addr, 0, t0, t1)
+        wgmma_commit()
