@@ -119,12 +119,15 @@ def _store(config, fn) -> None:
     if folder is None:
         return
     name = kernel_name(config)
-    os.makedirs(folder, exist_ok=True)
-    # written beside the cache and renamed into it, so that ranks compiling at once never read half a file
-    with tempfile.TemporaryDirectory(dir=folder) as tmp:
-        fn.export_to_c(tmp, name, name)
-        for suffix in (".h", ".o"):
-            os.replace(os.path.join(tmp, name + suffix), os.path.join(folder, name + suffix))
+    try:
+        os.makedirs(folder, exist_ok=True)
+        # written beside the cache and renamed into it, so that ranks compiling at once never read half a file
+        with tempfile.TemporaryDirectory(dir=folder) as tmp:
+            fn.export_to_c(tmp, name, name)
+            for suffix in (".h", ".o"):
+                os.replace(os.path.join(tmp, name + suffix), os.path.join(folder, name + suffix))
+    except OSError as err:  # the kernel works; only the next process will compile it again
+        _log.warning("mla_backend: could not write %s to the kernel cache %s (%s)", name, folder, err)
 
 
 def clear_memory() -> None:

@@ -1,9 +1,10 @@
-"""The SM90 split-KV decode kernel: compiles on CPU for sm_90a without spills; matches the reference on a GPU.
+"""The SM90 split-KV decode (mla_backend.hopper.decode and its schedules): compiles on CPU for sm_90a without
+spills; matches the reference on a GPU.
 
-The compile tests need no GPU (CUTE_DSL_ARCH=sm_90a, `compile_decode_sm90` builds its own fake arguments).
-The spill check compiles in a subprocess with the PTX kept and runs `ptxas -v` on it (skipped without ptxas).
-The GPU test runs the kernel on random paged inputs and checks out/lse (merging the split partials in torch)
-against the plain-torch reference.
+The compile tests need no GPU (`compile_decode` builds its own pointer arguments). The spill check compiles in a
+subprocess with the PTX kept and runs `ptxas -v` on it: the ptxas of the test extra's nvidia-cuda-nvcc (CuTe DSL
+4.8's cu13 build writes PTX 9.4, which CUDA 13.0's ptxas refuses). The GPU test runs the kernel on random paged
+inputs and checks out/lse (merging the split partials in torch) against the plain-torch reference.
 """
 
 from __future__ import annotations
@@ -36,88 +37,108 @@ SHAPES = [
 
 @pytest.mark.parametrize("num_heads,q_len,page_size,tile_tokens,causal", SHAPES)
 def test_compiles(num_heads, q_len, page_size, tile_tokens, causal):
-    from mla_backend.hopper.decode_sm90 import compile_decode_sm90
+    from mla_backend.config import decode_config
+    from mla_backend.hopper.decode import compile_decode
 
-    fn = compile_decode_sm90(num_heads=num_heads, q_len=q_len, page_size=page_size, tile_tokens=tile_tokens,
-                             causal=causal, arch="sm_90a")
+    cfg = decode_config(num_heads, q_len, page_size, tile_tokens=tile_tokens, causal=causal)
+    fn = compile_decode(cfg)
     assert fn is not None
-    # cached by static key
-    assert compile_decode_sm90(num_heads=num_heads, q_len=q_len, page_size=page_size, tile_tokens=tile_tokens,
-                               causal=causal, arch="sm_90a") is fn
+    # cached by configuration: an equal configuration built anew finds the same compiled function
+    assert compile_decode(decode_config(num_heads, q_len, page_size, tile_tokens=tile_tokens, causal=causal)) is fn
 
 
-def test_48_and_64_row_blocks_compile_with_three_stages():
-    """48 and 64 rows fit shared memory with 3 ring stages and one S^T buffer; with 48 rows the softmax runs on
-    192 threads (4 per row)."""
-    from mla_backend.hopper.decode_sm90 import SM90_SMEM_CAPACITY, MLADecodeSM90, compile_decode_sm90
+def test_configurations_pick_the_schedule_stages_and_rows():
+    """48 and 64 rows fit shared memory with 3 ring stages; 16-row blocks run the ping-pong schedule (4 stages),
+    32-64 rows the S^T-warpgroup schedule; with 48 rows the softmax runs on 192 threads (4 per row)."""
+    from mla_backend.config import decode_config
+    from mla_backend.hopper.decode import decode_kernel
 
-    op = MLADecodeSM90(12, 8, 32, rows_per_block=48)
-    assert (op.num_stages, op.s_buffers, op.tpr, op.softmax_threads, op.num_row_blocks) == (3, 1, 4, 192, 2)
-    assert MLADecodeSM90(128, 1, 64, rows_per_block=48).num_row_blocks == 3  # 128 rows: the last block 32
-    op = MLADecodeSM90(128, 1, 64, rows_per_block=64)
-    assert (op.num_stages, op.s_buffers, op.tpr, op.softmax_threads, op.num_row_blocks) == (3, 1, 4, 256, 2)
-    # 32 rows keep the double-buffered partials (without the S^T warpgroup)
-    assert MLADecodeSM90(12, 8, 32, rows_per_block=32, s_warpgroup=False).s_buffers == 2
-    for h, q, rows in ((12, 8, 48), (128, 1, 48), (128, 1, 64), (12, 8, 64)):
-        fn = compile_decode_sm90(h, q, 32, rows_per_block=rows, arch="sm_90a")
-        assert fn.decode_op.rows == rows and fn.decode_op.shared_storage_bytes <= SM90_SMEM_CAPACITY
+    expected = {(12, 1): (16, 4, "rows16", 1), (16, 2): (32, 4, "swg", 1), (12, 4): (48, 3, "swg", 1),
+                (12, 8): (48, 3, "swg", 2), (128, 1): (64, 3, "swg", 2), (16, 4): (64, 3, "swg", 1)}
+    for (h, q), (rows, stages, schedule, blocks) in expected.items():
+        cfg = decode_config(h, q, 32)
+        assert (cfg.rows_per_block, cfg.num_stages, cfg.schedule, cfg.num_row_blocks) == (rows, stages, schedule,
+                                                                                            blocks), (h, q)
+    op = decode_kernel(decode_config(12, 8, 32))
+    assert (op.tpr, op.softmax_threads, op.num_threads) == (4, 192, 384)
+    op = decode_kernel(decode_config(12, 1, 32))
+    assert (op.tpr, op.softmax_threads, op.num_threads) == (8, 128, 256) and op.l2_prefetch_copies
+    assert decode_config(128, 1, 64, rows_per_block=48).num_row_blocks == 3  # 128 rows: the last block 32
     with pytest.raises(ValueError, match="16, 32, 48 or 64"):
-        MLADecodeSM90(12, 8, 32, rows_per_block=96)
+        decode_config(12, 8, 32, rows_per_block=96)
+    with pytest.raises(ValueError, match="4 ring stages"):
+        decode_config(12, 1, 32, num_stages=3)
 
 
 def test_default_rows_per_block_takes_the_fewest_row_blocks():
     """Each row block reads the KV span again: the fewest blocks, the smallest block among equals."""
-    from mla_backend.hopper.decode_sm90 import MLADecodeSM90, default_rows_per_block
+    from mla_backend.shapes import default_rows_per_block
 
     expected = {(12, 1): 16, (16, 1): 16, (8, 2): 16, (16, 2): 32, (12, 2): 32, (12, 4): 48, (16, 4): 64,
                 (12, 8): 48, (16, 8): 64, (128, 1): 64, (128, 2): 64, (32, 1): 32, (40, 1): 48}
     for (h, q), rows in expected.items():
         assert default_rows_per_block(h, q) == rows, (h, q)
-    op = MLADecodeSM90(12, 8, 32)
-    assert (op.rows, op.num_row_blocks, op.num_stages) == (48, 2, 3)
 
 
-def test_pingpong_is_the_16_row_default_and_needs_16_rows():
-    from mla_backend.hopper.decode_sm90 import MLADecodeSM90, compile_decode_sm90
+def test_p_precision_sets_the_planes_per_schedule():
+    """"fp8" keeps one e4m3 plane where it is faster (more than 16 rows per block), "fp8x2" two everywhere;
+    part of the configuration, so both compile side by side."""
+    from mla_backend.config import decode_config, read_environment
+    from mla_backend.hopper.decode import compile_decode
 
-    assert MLADecodeSM90(12, 1, 32).pingpong and MLADecodeSM90(8, 2, 64).pingpong
-    assert not MLADecodeSM90(16, 2, 32).pingpong  # 32 rows
-    assert not MLADecodeSM90(12, 1, 32, pingpong=False).pingpong
-    with pytest.raises(ValueError, match="16-row"):
-        MLADecodeSM90(16, 2, 32, pingpong=True)
-    fn = compile_decode_sm90(12, 1, 32, pingpong=False, arch="sm_90a")
-    assert fn.decode_op.pingpong is False and compile_decode_sm90(12, 1, 32, arch="sm_90a") is not fn
+    assert decode_config(12, 8, 32, p_precision="fp8").p_planes == 1
+    assert decode_config(12, 8, 32, p_precision="fp8x2").p_planes == 2
+    assert decode_config(12, 1, 32, p_precision="fp8").p_planes == 2  # 16-row blocks: no faster with one
+    assert decode_config(12, 8, 32, env=read_environment({"CUTE_MLA_P_PRECISION": "fp8x2"})).p_planes == 2
+    assert decode_config(12, 8, 32, env=read_environment({})).p_planes == 1  # the default: fp8
+    one, two = (compile_decode(decode_config(12, 8, 32, p_precision=p)) for p in ("fp8", "fp8x2"))
+    assert one is not two
+    with pytest.raises(ValueError, match="p_precision must be one of"):
+        decode_config(12, 8, 32, p_precision="fp16")
 
 
-def test_p_planes_knob(monkeypatch):
-    """P in one e4m3 plane (CUTE_MLA_P_PLANES=1, more than 16 rows only) or two (hi/lo, the default): part of the
-    static key, and a bad value is an error naming the variable."""
-    from mla_backend.hopper.decode_sm90 import MLADecodeSM90, compile_decode_sm90, default_p_planes
+@pytest.mark.parametrize("skip", [frozenset({"softmax"}), frozenset({"pv", "s", "load", "store_s", "rescale"})])
+@pytest.mark.parametrize("heads,q_len", [(12, 1), (16, 2), (12, 8), (128, 1)])
+def test_research_builds_compile(skip, heads, q_len):
+    """Ablation builds (parts of the work left out) and timeline builds compile on the CPU for every schedule."""
+    from mla_backend.config import decode_config
+    from mla_backend.hopper.decode import compile_decode
 
-    monkeypatch.delenv("CUTE_MLA_P_PLANES", raising=False)
-    assert default_p_planes(12, 8) == 2 and MLADecodeSM90(12, 8, 32).p_planes == 2
-    two = compile_decode_sm90(12, 8, 32, arch="sm_90a")
-    monkeypatch.setenv("CUTE_MLA_P_PLANES", "1")
-    assert MLADecodeSM90(12, 8, 32).p_planes == 1
-    one = compile_decode_sm90(12, 8, 32, arch="sm_90a")
-    assert one is not two and one.decode_op.p_planes == 1 and two.decode_op.p_planes == 2
-    assert default_p_planes(12, 1) == 2 and default_p_planes(8, 2) == 2 and default_p_planes(16, 2) == 1
-    assert MLADecodeSM90(12, 1, 32, pingpong=False, p_planes=1).p_planes == 1  # explicit, any schedule
-    assert compile_decode_sm90(12, 8, 32, p_planes=2, arch="sm_90a") is two  # an explicit value wins
-    for bad in ("3", "hi"):
-        monkeypatch.setenv("CUTE_MLA_P_PLANES", bad)
-        with pytest.raises(ValueError, match="CUTE_MLA_P_PLANES"):
-            MLADecodeSM90(12, 8, 32)
-    with pytest.raises(ValueError, match="p_planes"):
-        MLADecodeSM90(12, 8, 32, p_planes=3)
+    assert compile_decode(decode_config(heads, q_len, 32, skip=skip)) is not None
+    if heads * q_len > 16:
+        assert compile_decode(decode_config(heads, q_len, 32, timeline=100)) is not None
+
+
+def test_research_switches_are_checked():
+    from mla_backend.config import decode_config
+
+    with pytest.raises(ValueError, match="unknown parts"):
+        decode_config(12, 8, 32, skip={"exp"})
+    with pytest.raises(ValueError, match="timeline builds"):
+        decode_config(12, 1, 32, timeline=0)
+
+
+def ptxas_path():
+    """ptxas from the test extra's nvidia-cuda-nvcc (13.4 or newer assembles the cu13 DSL's PTX 9.4), else PATH."""
+    import importlib.metadata
+
+    for dist in ("nvidia-cuda-nvcc",):
+        try:
+            files = importlib.metadata.files(dist) or ()
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        for f in files:
+            if f.name == "ptxas":
+                return str(f.locate())
+    return shutil.which("ptxas")
 
 
 _PTX_SCRIPT = """
 import sys
 sys.path.insert(0, {repo!r})
-from mla_backend.hopper.decode_sm90 import compile_decode_sm90
-compile_decode_sm90(num_heads={h}, q_len={q}, page_size={p}, causal=True, rows_per_block={rows}, p_planes={planes},
-                    arch="sm_90a")
+from mla_backend.config import decode_config
+from mla_backend.hopper.decode import compile_decode
+compile_decode(decode_config({h}, {q}, {p}, rows_per_block={rows}, p_planes={planes}))
 """
 
 
@@ -125,8 +146,8 @@ compile_decode_sm90(num_heads={h}, q_len={q}, page_size={p}, causal=True, rows_p
     (12, 1, 32, None, 2), (16, 2, 64, None, 2), (12, 8, 32, None, 2), (128, 8, 32, None, 2), (12, 8, 32, 48, 2),
     (128, 1, 64, 48, 2), (128, 1, 64, 64, 2), (12, 1, 32, None, 1), (12, 8, 32, None, 1), (128, 1, 64, 64, 1)])
 def test_no_spills(tmp_path, num_heads, q_len, page_size, rows, planes):
-    ptxas = shutil.which("ptxas")
-    assert ptxas, "ptxas (CUDA 12.8+ / 13) must be on PATH: the spill check is part of the CPU suite"
+    ptxas = ptxas_path()
+    assert ptxas, "ptxas (pip install 'cute-mla-fp8[test]' brings it) is needed: the spill check is part of the CPU suite"
     env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="ptx", CUTE_DSL_DUMP_DIR=str(tmp_path))
     script = _PTX_SCRIPT.format(repo=REPO, h=num_heads, q=q_len, p=page_size, rows=rows, planes=planes)
     subprocess.run([sys.executable, "-c", script], env=env, check=True, cwd=str(tmp_path))
@@ -171,7 +192,6 @@ def _merge_kernel_outputs(plan, seq_lens, out, lse, partial_out, partial_lse, k_
     return out, lse
 
 
-PINGPONG_OFF = {"pingpong": False}
 ROWS_48 = {"rows_per_block": 48}
 ROWS_64 = {"rows_per_block": 64}
 ROWS_32 = {"rows_per_block": 32}
@@ -179,7 +199,7 @@ ROWS_32 = {"rows_per_block": 32}
 GPU_CASES = [
     # (num_heads, q_len, page_size, tile_tokens, causal, lengths, num_ctas, kernel options)
     (12, 1, 32, 64, True, [1, 31, 32, 33, 65, 700, 4000, 130], 16, {}),
-    (12, 1, 32, 64, True, [1, 31, 32, 33, 65, 700, 4000, 130], 16, PINGPONG_OFF),  # 16 rows, both warpgroups
+    (12, 1, 32, 64, True, [1, 31, 32, 33, 65, 700, 4000, 130], 16, ROWS_32),  # 12 rows in a 32-row block
     (8, 2, 64, 32, True, [2, 63, 64, 65, 129, 3000, 17, 900, 0], 11, {}),
     (16, 2, 64, 64, True, [2, 63, 64, 65, 129, 3000, 17, 900], 12, {}),
     (128, 8, 32, 64, True, [8, 100, 1000], 8, {}),
@@ -202,8 +222,9 @@ def test_matches_reference_gpu(num_heads, q_len, page_size, tile_tokens, causal,
     sys.path.insert(0, os.path.join(REPO, "tests"))
     from mla_inputs import make_decode_inputs
 
-    from mla_backend.hopper.decode_sm90 import run_decode_sm90
-    from mla_backend.planner import plan_splits
+    from mla_backend.config import decode_config
+    from mla_backend.hopper.decode import run_decode
+    from mla_backend.plan import plan_splits
     from mla_backend.reference import mla_decode_reference
 
     dev = "cuda"
@@ -217,8 +238,10 @@ def test_matches_reference_gpu(num_heads, q_len, page_size, tile_tokens, causal,
     lse = torch.full((batch, q_len, num_heads), float("nan"), dtype=torch.float32, device=dev)
     partial_out = torch.full((plan.num_slots, q_len, num_heads, 512), float("nan"), dtype=torch.float16, device=dev)
     partial_lse = torch.full((plan.num_slots, q_len, num_heads), float("nan"), device=dev)
-    run_decode_sm90(q, kv, bt, seq, softmax_scale, qs, ks, plan, out, lse, partial_out, partial_lse,
-                    causal=causal, **options)
+    cfg = decode_config(num_heads, q_len, page_size, tile_tokens=tile_tokens, causal=causal, p_precision="fp8x2",
+                        **options)
+    run_decode(cfg, q, kv, bt, seq, softmax_scale, qs, ks, plan, out, lse, partial_out, partial_lse,
+               torch.cuda.current_stream())
     torch.cuda.synchronize()
     got_out, got_lse = _merge_kernel_outputs(plan, seq, out, lse, partial_out, partial_lse, ks)
     ref_out, ref_lse = mla_decode_reference(q, kv, bt, seq, softmax_scale=softmax_scale, q_scale=qs, k_scale=ks,
@@ -229,24 +252,10 @@ def test_matches_reference_gpu(num_heads, q_len, page_size, tile_tokens, causal,
         torch.testing.assert_close(got_out[b], ref_out[b].float(), atol=2e-2, rtol=2e-2)
 
 
-def test_s_warpgroup_schedule_for_32_48_and_64_rows(monkeypatch):
-    """32-, 48- and 64-row blocks run kernel_sw (384 threads, setmaxnreg 208 / 88, 200 / 104 at 64 rows) unless
-    CUTE_MLA_S_WARPGROUP=0; 16-row blocks keep the ping-pong. It compiles without spills (the spill checks
-    above cover the default configurations, which include it)."""
-    from mla_backend.hopper.decode_sm90 import MLADecodeSM90, _static_key, sw_register_budgets
+def test_s_warpgroup_register_budgets_add_up():
+    """The S^T-warpgroup schedule's setmaxnreg budgets give each thread triple what a 384-thread launch has."""
+    from mla_backend.hopper.decode_swg import sw_register_budgets
 
     for rows in (32, 48, 64):
         pv, s = sw_register_budgets(rows)
-        assert 2 * pv + s == 3 * 168  # what a 384-thread launch gives each thread triple
-    for h, q, sw in ((12, 8, True), (16, 2, True), (12, 4, True), (12, 1, False), (128, 1, True), (16, 4, True)):
-        op = MLADecodeSM90(h, q, 32)
-        assert op.s_wg == sw and op.num_threads == (384 if sw else 256), (h, q)
-        if sw:
-            assert op.s_buffers == 1
-    monkeypatch.setenv("CUTE_MLA_S_WARPGROUP", "0")
-    assert not MLADecodeSM90(12, 8, 32).s_wg
-    assert _static_key(12, 8, 32, 64, True, None, None, None, None, "sm_90a")[10] is False
-    monkeypatch.delenv("CUTE_MLA_S_WARPGROUP")
-    assert _static_key(12, 8, 32, 64, True, None, None, None, None, "sm_90a")[10] is True
-    with pytest.raises(ValueError, match="32-, 48- or 64-row"):
-        MLADecodeSM90(12, 1, 32, rows_per_block=16, pingpong=False, s_warpgroup=True)
+        assert 2 * pv + s == 3 * 168

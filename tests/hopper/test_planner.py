@@ -1,28 +1,33 @@
-"""The one-CTA planner kernel: compiles for sm_90a on CPU; on the GPU its plan equals the torch planner's."""
+"""The one-CTA planner kernel (mla_backend.hopper.planner): compiles for sm_90a on CPU in both forms; on the GPU its
+plan equals the torch planner's."""
 
 import pytest
 import torch
 
 from mla_backend import SplitPlan, plan_splits
-from mla_backend.hopper.plan_splits_sm90 import compile_plan_splits_sm90
+from mla_backend.config import WARP_PLANNER_MAX_BATCH, PlannerConfig, planner_config
+from mla_backend.hopper.planner import compile_planner
 
 
 @pytest.mark.parametrize("max_batch,num_ctas", [(1, 1), (16, 132), (64, 66), (65, 132), (256, 132), (1024, 264),
                                                 (3000, 7)])
 def test_planner_kernel_compiles_for_sm90a(max_batch, num_ctas):
-    assert compile_plan_splits_sm90(max_batch, num_ctas, 64, 5) is not None
+    assert compile_planner(planner_config(max_batch, num_ctas, 64, 5)) is not None
 
 
 def test_small_plans_use_the_barrier_free_warp_form():
-    from mla_backend.hopper import plan_splits_sm90 as m
+    from mla_backend.hopper import planner as m
 
-    warp_form = m.WarpPlanSplitsSM90(m.WARP_PLANNER_MAX_BATCH, 132, 64, 4)
+    def form(*key, kind="warp"):
+        return m.FORMS[kind](PlannerConfig(*key, form=kind))
+
+    warp_form = form(WARP_PLANNER_MAX_BATCH, 132, 64, 4)
     assert (warp_form.per_lane, warp_form.boundary_warps, warp_form.threads) == (2, 5, 192)
-    assert m.WarpPlanSplitsSM90(8, 66, 64, 4).threads == 4 * 32  # 67 boundaries: 3 warps, and the request warp
-    assert m.CtaPlanSplitsSM90(256, 132, 64, 4).threads == m.THREADS
+    assert form(8, 66, 64, 4).threads == 4 * 32  # 67 boundaries: 3 warps, and the request warp
+    assert form(256, 132, 64, 4, kind="cta").threads == m.THREADS
     # (p + 1) * N in int32 where no total can overflow it, else chosen per total at run time
-    assert not m.WarpPlanSplitsSM90(16, 132, 64, 4).wide_cta_of_cost
-    assert m.WarpPlanSplitsSM90(64, 132, 64, 4).wide_cta_of_cost
+    assert not form(16, 132, 64, 4).wide_cta_of_cost
+    assert form(64, 132, 64, 4).wide_cta_of_cost
 
 
 def batches(gen):
