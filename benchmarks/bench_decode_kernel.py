@@ -1,23 +1,28 @@
-"""The SM90 decode kernel alone (no planner, no combine, no graph), and interleaved A/B runs of kernel versions.
+"""The SM90 decode kernel alone (no planner, no combine, no graph), and interleaved A/B runs of its configurations.
 
     python benchmarks/bench_decode_kernel.py --heads 12 --q-len 1 --page 32 --kv 1048576 --batch 4
 
-    git show HEAD~1:mla_backend/hopper/decode_sm90.py > /tmp/before.py
-    python benchmarks/bench_decode_kernel.py --case "12 1 32 1048576 4" --case "16 2 32 1048576 2" \\
-        --variant /tmp/before.py
+    python benchmarks/bench_decode_kernel.py --case "12 8 32 1048576 1" --case "16 2 32 1048576 2" \\
+        --variant p_planes=2 --variant rows_per_block=64,num_stages=3 --variant skip=softmax+pv
 
-Each --variant is a copy of mla_backend/hopper/decode_sm90.py; it is loaded as a module of mla_backend.hopper
-(so its relative imports resolve) and timed next to the installed kernel ("current"), in rounds that alternate
-between the versions, so that clock and thermal drift hit all of them alike, and each variant's outputs (final
-rows and partials, one call on the same inputs and plan) are compared with the current kernel's: "identical"
-or the largest difference. A one-off change is measured by editing a copy and passing it as a variant: no
-rebuild, one process, one comparison.
+Each --variant SPEC is a set of overrides of the decode configuration the runtime picks for a case
+(`mla_backend.config.decode_config`): comma-separated FIELD=VALUE pairs of the fields in VARIANT_FIELDS, e.g.
+`p_planes=1`, `rows_per_block=32`, `num_stages=4`, `p_precision=fp8x2`, `causal=0`, or `skip=PART+PART` with
+parts from config.DECODE_PARTS (that work left out: a research build whose outputs are wrong,
+benchmarks/ablate_decode.py). Fields a SPEC leaves out keep decode_config's defaults for the configuration it
+sets (rows_per_block=48 alone also takes 48 rows' ring stages and P planes). Every variant is compiled like
+the runtime's kernel (`hopper.decode.compile_decode`) and timed next to the default configuration ("current"),
+in rounds that alternate between the versions, so that clock and thermal drift hit all of them alike, and each
+variant's outputs (final rows and partials, one call on the same inputs and plan) are compared with the current
+kernel's: "identical" or the largest difference. A bad SPEC is an error naming it (exit 2), before anything
+runs. A change to the kernel's code is timed by running this tool on each commit, or, when it is worth keeping
+as a choice, by a configuration field that selects it.
 
 Timing: one launch per sample, CUDA events around it, after a ~200 us spin kernel, so that the GPU is still
 busy while the host enqueues the start event, the launch and the end event (without it the host's launch path,
 ~70-80 us at 1M x B4, is timed too). The floor is the KV bytes over the read bandwidth measured at the start of
-the same run (benchmarks/bench_decode.py's streaming-read kernel). `python -m mla_backend bench` is the
-decode-step benchmark (planner and combine included, CUDA graphs).
+the same run (`mla_backend.bench.ceilings`, the step bench's streaming-read kernel). `python -m mla_backend
+bench` is the decode-step benchmark (planner and combine included, CUDA graphs).
 
 The L2 is not emptied between launches here. A change to how the KV reaches shared memory can measure
 differently as a step: the ping-pong's L2::128B copy hint gained 2-4% here and 4-13% in the step
@@ -27,16 +32,119 @@ differently as a step: the ping-pong's L2::128B copy hint gained 2-4% here and 4
 from __future__ import annotations
 
 import argparse
-import atexit
-import importlib.util
-import os
 import statistics
 import sys
 
 import torch
 
-KV_DIM, LATENT_DIM = 576, 512
-SPIN_CYCLES = 400_000  # ~200 us at the H200's clock: longer than the host's launch path
+from mla_backend.bench.timing import SPIN_CYCLES
+from mla_backend.config import DECODE_PARTS, check_p_precision
+
+PROG = "bench_decode_kernel.py"
+
+
+def error(prog: str, message) -> int:
+    """Print a one-line command-line error; returns its exit status, 2."""
+    print(f"{prog}: error: {message}", file=sys.stderr)
+    return 2
+
+
+def _flag(text: str) -> bool:
+    if text not in ("0", "1", "true", "false"):
+        raise ValueError(f"expected 0, 1, true or false, got {text!r}")
+    return text in ("1", "true")
+
+
+def _parts(text: str) -> frozenset:
+    parts = frozenset(p for p in text.split("+") if p)
+    unknown = sorted(parts - set(DECODE_PARTS))
+    if unknown:
+        raise ValueError(f"unknown part {', '.join(map(repr, unknown))} (parts: {', '.join(DECODE_PARTS)})")
+    return parts
+
+
+# The decode_config keywords a --variant may set, and how each value is read. The case gives num_heads, q_len and
+# page_size, the plan tile_tokens; timeline builds need a spare workspace slot (benchmarks/timeline_decode.py).
+VARIANT_FIELDS = {"rows_per_block": int, "num_stages": int, "p_planes": int, "p_precision": check_p_precision,
+                  "causal": _flag, "skip": _parts}
+
+
+def parse_variant(spec: str) -> dict:
+    """'p_planes=1', 'rows_per_block=32,num_stages=4' or 'skip=softmax+pv' -> decode_config keyword overrides.
+    Raises ValueError naming the spec for anything it cannot read."""
+    overrides = {}
+    for item in spec.split(","):
+        field, sep, value = item.strip().partition("=")
+        try:
+            if not sep or not field:
+                raise ValueError("expected FIELD=VALUE")
+            if field not in VARIANT_FIELDS:
+                raise ValueError(f"unknown field {field!r} (fields: {', '.join(VARIANT_FIELDS)})")
+            if field in overrides:
+                raise ValueError(f"{field} given twice")
+            overrides[field] = VARIANT_FIELDS[field](value.strip())
+        except ValueError as err:
+            raise ValueError(f"--variant {spec!r}: {err}") from None
+    return overrides
+
+
+def format_overrides(overrides: dict) -> str:
+    """The SPEC of decode_config overrides (parse_variant's inverse), e.g. 'p_planes=1,skip=pv+softmax'."""
+    def value(v):
+        return "+".join(sorted(v)) if isinstance(v, frozenset) else str(int(v) if isinstance(v, bool) else v)
+    return ",".join(f"{k}={value(v)}" for k, v in overrides.items())
+
+
+def parse_case(text: str):
+    """'heads q_len page kv batch' -> a tuple of 5 ints."""
+    try:
+        case = tuple(int(x) for x in text.split())
+    except ValueError:
+        case = ()
+    if len(case) != 5:
+        raise ValueError(f"--case needs 5 numbers (heads q_len page kv batch), got {text!r}")
+    return case
+
+
+def case_config(case, overrides=None, rows_per_block=None):
+    """The decode configuration of a case (heads, q_len, page, ...) with --rows-per-block and a variant's overrides
+    (the variant's win)."""
+    from mla_backend.config import decode_config
+
+    kwargs = {} if rows_per_block is None else {"rows_per_block": rows_per_block}
+    kwargs.update(overrides or {})
+    heads, q_len, page = case[:3]
+    return decode_config(heads, q_len, page, **kwargs)
+
+
+def version_configs(case, variants, rows_per_block=None):
+    """[(name, DecodeConfig)]: "current" and each (name, overrides) of `variants` for one case; ValueError naming
+    the version whose configuration is invalid."""
+    versions = []
+    for name, overrides in [("current", None), *variants]:
+        try:
+            versions.append((name, case_config(case, overrides, rows_per_block)))
+        except ValueError as err:
+            raise ValueError(f"{_version(name, case)}: {err}") from None
+    return versions
+
+
+def _version(name: str, case) -> str:
+    """How an error names a version of a case."""
+    which = "the current configuration" if name == "current" else f"--variant {name!r}"
+    return f"{which}, case {' '.join(map(str, case))!r}"
+
+
+def compile_versions(case, versions) -> None:
+    """Compile every configuration of a case (no GPU needed); ValueError naming the version that does not build
+    (e.g. more shared memory than an SM90 CTA has)."""
+    from mla_backend.hopper.decode import compile_decode
+
+    for name, cfg in versions:
+        try:
+            compile_decode(cfg)
+        except ValueError as err:
+            raise ValueError(f"{_version(name, case)}: {err}") from None
 
 
 def _time_once(fn) -> float:
@@ -50,71 +158,43 @@ def _time_once(fn) -> float:
     return start.elapsed_time(end) * 1e-3
 
 
-def load_variant(path: str, index: int):
-    """Import a copy of a module of mla_backend.hopper (decode_sm90.py, plan_splits_sm90.py) as
-    mla_backend.hopper._variant_<index>."""
-    import mla_backend.hopper as hopper
+def make_inputs(heads, q_len, page, kv_len, batch):
+    """The step bench's inputs for `batch` requests of kv_len tokens (`mla_backend.bench.cases.case_inputs`: random
+    FP8 q and KV, seed 0, pages in random order), with its plan computed."""
+    from mla_backend.bench.cases import Case, case_inputs
 
-    name = f"_variant_{index}"
-    dst = os.path.join(os.path.dirname(hopper.__file__), name + ".py")
-    with open(path) as src, open(dst, "w") as out:
-        out.write(src.read())
-    # removed at exit, not before: the DSL reads the kernel's source when it first compiles it
-    atexit.register(lambda: os.path.exists(dst) and os.remove(dst))
-    spec = importlib.util.spec_from_file_location(f"mla_backend.hopper.{name}", dst)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-def make_inputs(heads, q_len, page, kv_len, batch, seed=0):
-    torch.manual_seed(seed)
-    lengths = [kv_len] * batch
-    pages_per = [-(-n // page) for n in lengths]
-    num_pages = sum(pages_per) + 1
-    kv = torch.empty(num_pages, page, KV_DIM, dtype=torch.uint8, device="cuda")
-    kv.random_(0, 256)
-    kv[(kv & 0x7F) == 0x7F] = 0  # no E4M3 NaN codes
-    kv = kv.view(torch.float8_e4m3fn)
-    block_table = torch.zeros(batch, max(pages_per), dtype=torch.int32, device="cuda")
-    perm = torch.randperm(num_pages - 1, device="cuda").int()
-    used = 0
-    for b, n in enumerate(pages_per):
-        block_table[b, :n] = perm[used:used + n]
-        used += n
-    seq_lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
-    q = torch.randn(batch, q_len, heads, KV_DIM, device="cuda").to(torch.float8_e4m3fn)
-    scales = torch.tensor([0.05], device="cuda"), torch.tensor([0.05], device="cuda")
-    inp = dict(q=q, kv=kv, block_table=block_table, seq_lens=seq_lens, scales=scales,
-               kv_bytes=sum(lengths) * KV_DIM)
-    from mla_backend.planner import default_num_ctas
-
-    return with_plan(inp, default_num_ctas("cuda", heads, q_len))
+    case = Case(f"H{heads} q{q_len} page {page} {kv_len} x B{batch}", [kv_len] * batch, heads, q_len, page)
+    inp = case_inputs(case)
+    inp.plan_step(case)
+    return inp
 
 
 def with_plan(inp, num_ctas):
-    """inp (same tensors) with a plan of num_ctas CTAs and its workspace."""
-    from mla_backend import DecodeWorkspace, SplitPlan, plan_splits
+    """A plan of num_ctas CTAs for inp's requests and its workspace."""
+    from mla_backend.api import DecodeWorkspace
+    from mla_backend.plan import SplitPlan, plan_splits
 
-    batch, q_len, heads, _ = inp["q"].shape
-    page = inp["kv"].shape[1]
+    batch, q_len, heads, _ = inp.q.shape
     plan = SplitPlan.empty(batch, num_ctas, device="cuda")
-    plan_splits(inp["seq_lens"], q_len=q_len, num_heads=heads, page_size=page, out=plan)
-    return dict(inp, plan=plan, ws=DecodeWorkspace.for_plan(plan, q_len, heads))
+    plan_splits(inp.seq_lens, q_len=q_len, num_heads=heads, page_size=inp.kv.shape[1], out=plan)
+    return plan, DecodeWorkspace.for_plan(plan, q_len, heads)
 
 
-def decode_fn(module, inp, rows_per_block=None):
-    batch, q_len, heads, _ = inp["q"].shape
-    out = torch.empty(batch, q_len, heads, LATENT_DIM, dtype=torch.bfloat16, device="cuda")
-    lse = torch.empty(batch, q_len, heads, device="cuda")
+def decode_fn(cfg, inp, plan=None, ws=None, partial_out=None, partial_lse=None):
+    """A launch of the decode of `cfg` on inp (its plan and workspace unless given), into outputs of its own."""
+    plan = inp.plan if plan is None else plan
+    ws = inp.ws if ws is None else ws
+    partial_out = ws.partial_out if partial_out is None else partial_out
+    partial_lse = ws.partial_lse if partial_lse is None else partial_lse
+    out, lse = torch.empty_like(inp.out), torch.empty_like(inp.lse)
 
     def decode():
-        module.run_decode_sm90(inp["q"], inp["kv"], inp["block_table"], inp["seq_lens"], KV_DIM ** -0.5,
-                               *inp["scales"], inp["plan"], out, lse, inp["ws"].partial_out, inp["ws"].partial_lse,
-                               rows_per_block=rows_per_block)
+        from mla_backend.hopper.decode import run_decode
+
+        run_decode(cfg, inp.q, inp.kv, inp.block_table, inp.seq_lens, inp.softmax_scale, inp.q_scale, inp.k_scale,
+                   plan, out, lse, partial_out, partial_lse, torch.cuda.current_stream())
     # what one call writes: the final rows of single-split requests and the partials of the others
-    decode.outputs = (out, lse, inp["ws"].partial_out, inp["ws"].partial_lse)
+    decode.outputs = (out, lse, partial_out, partial_lse)
     return decode
 
 
@@ -139,14 +219,16 @@ def compare_outputs(ref, got) -> str:
     return f"DIFFERENT (max |diff| {worst:.3g})"
 
 
-def run_case(case, versions, rounds, per_round, bandwidth, rows_per_block=None, ctas=()):
-    """Time every version on one case; with `ctas`, the current kernel also on plans of those CTA counts."""
+def run_case(case, versions, rounds, per_round, bandwidth, ctas=()):
+    """Time every (name, config) of `versions` on one case; with `ctas`, the current kernel also on plans of those
+    CTA counts."""
     inp = make_inputs(*case)
-    fns = [decode_fn(m, inp, rows_per_block) for _, m in versions]
-    versions = list(versions)
+    current = versions[0][1]
+    names = [name + (" (= current)" if i and cfg == current else "") for i, (name, cfg) in enumerate(versions)]
+    fns = [decode_fn(cfg, inp) for _, cfg in versions]
     for n in ctas:
-        fns.append(decode_fn(versions[0][1], with_plan(inp, n), rows_per_block))
-        versions.append((f"{versions[0][0]}, {n} plan CTAs", versions[0][1]))
+        fns.append(decode_fn(current, inp, *with_plan(inp, n)))
+        names.append(f"current, {n} plan CTAs")
     for fn in fns:  # compile, then ~0.3 s of warm-up: an idle H200 sits at 345 MHz
         fn()
     torch.cuda.synchronize()
@@ -158,22 +240,48 @@ def run_case(case, versions, rounds, per_round, bandwidth, rows_per_block=None, 
     for _ in range(rounds):
         for t, fn in zip(times, fns):
             t.extend(_time_once(fn) for _ in range(per_round))
-    floor = inp["kv_bytes"] / bandwidth
+    kv_bytes = int(inp.seq_lens.sum()) * inp.kv.shape[2]
+    floor = kv_bytes / bandwidth
     heads, q_len, page, kv_len, batch = case
     # the variants' outputs against the current kernel's, same inputs and plan (the timing loop checks nothing)
     ref = outputs_of(fns[0])
-    same = ["(reference)"] + [compare_outputs(ref, outputs_of(fn)) for fn in fns[1:len(fns) - len(ctas)]]
-    print(f"H{heads} q{q_len} page {page} {kv_len} x B{batch} (KV floor {floor * 1e6:.1f} us):")
-    for i, ((name, _), t) in enumerate(zip(versions, times)):
+    same = [compare_outputs(ref, outputs_of(fn)) for fn in fns[1:len(versions)]]
+    print(f"H{heads} q{q_len} page {page} {kv_len} x B{batch} (KV floor {floor * 1e6:.1f} us; current: "
+          f"{current.rows_per_block} rows, {current.num_stages} stages, {current.p_planes} P planes):")
+    for i, (name, t) in enumerate(zip(names, times)):
         med = statistics.median(t)
         spread = (max(t) - min(t)) / med
-        check = f"  outputs {same[i]}" if i < len(same) and i > 0 else ""
-        print(f"  {name:>24}: {med * 1e6:8.1f} us  {med / floor:5.3f} x floor  {inp['kv_bytes'] / med / 1e12:.2f} TB/s "
+        check = f"  outputs {same[i - 1]}" if 0 < i < len(versions) else ""
+        print(f"  {name:>24}: {med * 1e6:8.1f} us  {med / floor:5.3f} x floor  {kv_bytes / med / 1e12:.2f} TB/s "
               f"of KV  (min {min(t) * 1e6:.1f}, spread {spread:.1%}){check}")
 
 
+def run(cases, variants, rounds=8, per_round=5, rows_per_block=None, ctas=(), prog=PROG) -> int:
+    """Time the current configuration and each (name, overrides) of `variants` on every case (heads, q_len, page,
+    kv, batch). Every configuration is resolved first, then compiled: one that is invalid or does not build is a
+    one-line error (2), as is no GPU."""
+    try:
+        versions = [version_configs(c, variants, rows_per_block) for c in cases]
+    except ValueError as err:
+        return error(prog, err)
+    if not torch.cuda.is_available():
+        return error(prog, "needs a CUDA GPU (Hopper)")
+    try:
+        for case, vs in zip(cases, versions):
+            compile_versions(case, vs)
+    except ValueError as err:
+        return error(prog, err)
+    from mla_backend.bench.ceilings import measure_read_bandwidth
+
+    bandwidth = measure_read_bandwidth()
+    print(f"read bandwidth {bandwidth / 1e12:.2f} TB/s")
+    for case, vs in zip(cases, versions):
+        run_case(case, vs, rounds, per_round, bandwidth, ctas)
+    return 0
+
+
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     p.add_argument("--heads", type=int, default=12)
     p.add_argument("--q-len", type=int, default=1)
     p.add_argument("--page", type=int, default=32)
@@ -181,33 +289,21 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--case", action="append", default=[],
                    help='"heads q_len page kv batch"; repeatable; replaces --heads/--q-len/--page/--kv/--batch')
-    p.add_argument("--variant", action="append", default=[], help="a copy of decode_sm90.py to time as well")
+    p.add_argument("--variant", action="append", default=[], metavar="SPEC",
+                   help="configuration overrides to time as well, e.g. p_planes=1 or skip=softmax+pv (repeatable)")
     p.add_argument("--rows-per-block", type=int, default=None,
-                   help="query rows per CTA (16, 32, 48 or 64; default: decode_sm90.default_rows_per_block)")
+                   help="query rows per CTA for every version (16, 32, 48 or 64; default: the runtime's)")
     p.add_argument("--ctas", type=int, action="append", default=[],
-                   help="also time the current kernel on a plan of this many CTAs (default: planner.default_num_ctas)")
+                   help="also time the current kernel on a plan of this many CTAs (default: plan.default_num_ctas)")
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--per-round", type=int, default=5)
     args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("needs a CUDA GPU (Hopper)", file=sys.stderr)
-        return 2
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from bench_decode import measure_read_bandwidth
-    from mla_backend.hopper import decode_sm90
-
-    cases = [tuple(int(x) for x in c.split()) for c in args.case] or [
-        (args.heads, args.q_len, args.page, args.kv, args.batch)]
-    for c in cases:
-        if len(c) != 5:
-            raise SystemExit(f"--case needs 5 numbers (heads q_len page kv batch), got {c}")
-    versions = [("current", decode_sm90)] + [(os.path.basename(v), load_variant(v, i))
-                                             for i, v in enumerate(args.variant)]
-    bandwidth = measure_read_bandwidth()
-    print(f"read bandwidth {bandwidth / 1e12:.2f} TB/s")
-    for c in cases:
-        run_case(c, versions, args.rounds, args.per_round, bandwidth, args.rows_per_block, args.ctas)
-    return 0
+    try:
+        cases = [parse_case(c) for c in args.case] or [(args.heads, args.q_len, args.page, args.kv, args.batch)]
+        variants = [(spec, parse_variant(spec)) for spec in args.variant]
+    except ValueError as err:
+        return error(PROG, err)
+    return run(cases, variants, args.rounds, args.per_round, args.rows_per_block, args.ctas)
 
 
 if __name__ == "__main__":

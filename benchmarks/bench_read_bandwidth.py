@@ -3,7 +3,7 @@
     python benchmarks/bench_read_bandwidth.py            # every shape, the best 25 printed
     python benchmarks/bench_read_bandwidth.py --repeat 3 # READ_SHAPES and the old single shape, 3 times each
 
-`bench_decode.measure_read_bandwidth` takes the best of READ_SHAPES, which this sweep picked on the H200
+The step bench's read ceiling (`mla_backend.bench.ceilings.measure_read_bandwidth`) takes the best of READ_SHAPES, which this sweep picked on the H200
 (docs/performance.md, "The floor's read bandwidth"): a shape with too few bytes of loads in flight per SM
 measures its own latency-bound rate, not the DRAM's.
 """
@@ -12,12 +12,9 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from bench_decode import READ_SHAPES  # noqa: E402
+from mla_backend.bench.ceilings import READ_SHAPES
 
 OLD_SHAPE = (4, 4096, 4)  # the bench's only shape until 2026-12-01 e
 
@@ -36,7 +33,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     import torch
 
-    from bench_decode import streaming_read_rate
+    from mla_backend.bench.ceilings import streaming_read_rate
 
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)

@@ -3,7 +3,7 @@
 The bench (`python -m mla_backend bench`) times the whole step (one CUDA graph: the planner, the decode, the
 combine) and the planner and the combine each alone. Alone they are not what they add to a step: with
 programmatic dependent launch a kernel overlaps the one before it, and a graph of one kernel also pays the
-graph's own launch. Here each case is captured five ways and timed like the bench (L2 emptied by reading, a
+graph's own launch. Here each case is captured six ways and timed like the bench (L2 emptied by reading, a
 spin kernel first, median of --reps), in interleaved rounds:
 
 - step: planner, decode, combine (the bench's step);
@@ -24,15 +24,13 @@ not change the decode's work.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from bench_decode import (KV_DIM, L2_FLUSH_BYTES, READ_SHAPES, Case, capture, case_bytes_and_flops,  # noqa: E402
-                          case_inputs, case_kv_bytes, measure_fp8_flops, measure_read_bandwidth, streaming_read,
-                          time_replay)
+from mla_backend.bench.cases import Case, case_bytes_and_flops, case_inputs, case_kv_bytes
+from mla_backend.bench.ceilings import READ_SHAPES, measure_fp8_flops, measure_read_bandwidth, streaming_read
+from mla_backend.bench.timing import L2_FLUSH_BYTES, capture, time_replay
+from mla_backend.shapes import KV_DIM
 
 VARIANTS = ("step", "no combine", "no planner", "decode", "empty graph", "KV read alone")
 
@@ -69,22 +67,29 @@ def run_parts(case: Case, reps: int, kv_pool) -> dict:
     """Median us of each variant of the case's step (VARIANTS), timed in interleaved rounds."""
     import torch
 
-    from mla_backend.hopper.combine_sm90 import run_combine_sm90
-    from mla_backend.hopper.decode_sm90 import run_decode_sm90
+    from mla_backend.config import combine_config, decode_config
+    from mla_backend.hopper.combine import run_combine
+    from mla_backend.hopper.decode import run_decode
+    from mla_backend.plan import device_sms
 
     inp = case_inputs(case, kv_pool)
+    batch = len(case.lengths)
+    # the kernels the op launches for this case (mla_backend.api)
+    decode_cfg = decode_config(case.heads, case.q_len, case.page_size, tile_tokens=inp.plan.tile_tokens,
+                               p_precision=case.p_precision)
+    combine_cfg = combine_config(batch, case.q_len * case.heads, device_sms(inp.q.device), inp.plan.num_ctas)
 
     def plan():
         inp.plan_step(case)
 
     def decode():
-        run_decode_sm90(inp.q, inp.kv, inp.block_table, inp.seq_lens, inp.softmax_scale, inp.q_scale, inp.k_scale,
-                        inp.plan, inp.out, inp.lse, inp.ws.partial_out, inp.ws.partial_lse,
-                        stream=torch.cuda.current_stream())
+        run_decode(decode_cfg, inp.q, inp.kv, inp.block_table, inp.seq_lens, inp.softmax_scale, inp.q_scale,
+                   inp.k_scale, inp.plan, inp.out, inp.lse, inp.ws.partial_out, inp.ws.partial_lse,
+                   torch.cuda.current_stream())
 
     def combine():
-        run_combine_sm90(inp.plan, inp.ws.partial_out, inp.ws.partial_lse, inp.out, inp.lse, inp.k_scale,
-                         torch.cuda.current_stream())
+        run_combine(combine_cfg, inp.plan, inp.ws.partial_out, inp.ws.partial_lse, inp.out, inp.lse, inp.k_scale,
+                    torch.cuda.current_stream())
 
     pieces = {"step": (plan, decode, combine), "no combine": (plan, decode), "no planner": (decode, combine),
               "decode": (decode,), "empty graph": (lambda: torch.cuda._sleep(1),)}

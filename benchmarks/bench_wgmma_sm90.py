@@ -11,7 +11,8 @@ decides between keeping the rows in N and moving them to M (docs/performance.md)
 The operands are pseudo-random e4m3 bytes (a hash of the position, no NaN codes): tensor-core power, and with it
 the clock the GPU holds, depends on how many operand bits toggle, so zeros would overstate the rate that random
 data (the GEMM ceiling, real KV) gets; `--uninitialized` skips the fill. Reported: TFLOP/s over
-all SMs, the share of the dense FP8 peak measured in the same run (`torch._scaled_mm`, 8192^3), and SM cycles
+all SMs, the share of the dense FP8 peak measured in the same run (`torch._scaled_mm`, 8192^3, the step bench's
+ceiling: `mla_backend.bench.ceilings.measure_fp8_flops`), and SM cycles
 per wgmma per warpgroup at the clock the caller gives (`--clock-ghz`, default 1.755).
 """
 
@@ -25,10 +26,9 @@ import cutlass.cute as cute
 import cutlass.memory
 from cutlass import Float32, Int32
 
-sys.path.insert(0, __file__.rsplit("/", 2)[0])
-from mla_backend.hopper.cute_utils import cuda_stream, gmem_ptr  # noqa: E402
-from mla_backend.hopper.warp_fp8 import (fence_operand, fence_proxy_async_smem, wgmma_commit,  # noqa: E402
-                                         wgmma_fence, wgmma_rs_e4m3, wgmma_ss_e4m3, wgmma_wait)
+from mla_backend.hopper.launch import cuda_stream, gmem_ptr
+from mla_backend.hopper.ptx import (fence_operand, fence_proxy_async_smem, wgmma_commit, wgmma_fence, wgmma_rs_e4m3,
+                                    wgmma_ss_e4m3, wgmma_wait)
 
 FP8 = cutlass.Float8E4M3FN
 N_VALUES = (16, 24, 32, 48, 64, 96, 128, 256)
@@ -126,8 +126,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("needs a CUDA GPU (Hopper)", file=sys.stderr)
         return 2
-    sys.path.insert(0, __file__.rsplit("/", 1)[0])
-    from bench_decode import measure_fp8_flops
+    from mla_backend.bench.ceilings import measure_fp8_flops
 
     peak = measure_fp8_flops()
     num_ctas = torch.cuda.get_device_properties(0).multi_processor_count

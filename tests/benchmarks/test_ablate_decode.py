@@ -1,43 +1,40 @@
-"""benchmarks/ablate_decode.py: every ablation still applies to the current decode kernel source (each anchor
-occurs once), changes it, and an ablated copy still compiles for sm_90a on the CPU."""
-
-import os
-import sys
+"""benchmarks/ablate_decode.py: each ablation is a `skip=` variant of bench_decode_kernel.py naming parts of
+config.DECODE_PARTS, together covering them all; an unknown ablation is an error; the ablated builds of both
+schedules compile for sm_90a on the CPU."""
 
 import pytest
 
-os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
-
-import ablate_decode  # noqa: E402
-
-
-def _source():
-    from mla_backend.hopper import decode_sm90
-
-    with open(decode_sm90.__file__) as f:
-        return f.read()
+import ablate_decode
+import bench_decode_kernel
+from mla_backend.config import DECODE_PARTS
 
 
+def test_each_ablation_is_a_skip_variant_of_known_parts():
+    for name, parts in ablate_decode.ABLATIONS.items():
+        spec = ablate_decode.ablation_spec(name)
+        assert spec == "skip=" + "+".join(parts)
+        assert bench_decode_kernel.parse_variant(spec) == {"skip": frozenset(parts)}
+    assert {p for parts in ablate_decode.ABLATIONS.values() for p in parts} == set(DECODE_PARTS)
+    assert set(ablate_decode.ABLATIONS["nomath"]) == {"softmax", "pv", "s"}
+
+
+def test_an_unknown_ablation_is_an_error(capsys):
+    with pytest.raises(ValueError, match="unknown ablation 'nobar2'"):
+        ablate_decode.ablation_spec("nobar2")
+    assert ablate_decode.main(["--only", "nopv,nobar2"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "'nobar2'" in err
+
+
+# 48 rows (S^T warpgroup), 32 rows (P.V issued inside the softmax), 16 rows (ping-pong)
+@pytest.mark.parametrize("case,rows", [((12, 8, 32), 48), ((16, 2, 64), 32), ((12, 1, 32), 16)])
 @pytest.mark.parametrize("name", sorted(ablate_decode.ABLATIONS))
-def test_each_ablation_applies_once(name):
-    source = _source()
-    ablated = ablate_decode.ablated_source(source, name)
-    assert ablated != source
-    assert len(ablated.splitlines()) <= len(source.splitlines())
+def test_the_ablated_builds_compile(case, rows, name):
+    from mla_backend.config import decode_config
+    from mla_backend.hopper.decode import compile_decode
 
-
-def test_a_moved_anchor_is_an_error():
-    source = _source().replace("self._rescale_o(acc_O, sAlpha, lt, False)", "self._rescale_o(acc_O, sAlpha, lt, 0)")
-    with pytest.raises(ValueError, match="norescale"):
-        ablate_decode.ablated_source(source, "norescale")
-
-
-def test_an_ablated_kernel_compiles(tmp_path):
-    import bench_decode_kernel
-
-    path = tmp_path / "nomath.py"
-    path.write_text(ablate_decode.ablated_source(_source(), "nomath"))
-    module = bench_decode_kernel.load_variant(str(path), 90)
-    fn = module.compile_decode_sm90(12, 8, 32, arch="sm_90a")
-    assert fn.decode_op.rows == 48 and not fn.decode_op.pingpong
+    overrides = bench_decode_kernel.parse_variant(ablate_decode.ablation_spec(name))
+    (_, base), (_, ablated) = bench_decode_kernel.version_configs(case, [(name, overrides)])
+    assert base == decode_config(*case) and base.rows_per_block == rows
+    assert ablated == decode_config(*case, skip=frozenset(ablate_decode.ABLATIONS[name]))
+    assert callable(compile_decode(ablated))

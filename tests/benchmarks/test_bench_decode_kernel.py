@@ -1,52 +1,93 @@
-"""benchmarks/bench_decode_kernel.py's A/B mode: a copy of decode_sm90.py loads as its own module and compiles
-(no GPU needed), so a one-off kernel edit can be timed next to the installed kernel in one process."""
+"""benchmarks/bench_decode_kernel.py: a --variant SPEC is a set of decode_config overrides, timed next to the
+runtime's configuration; a bad SPEC (unknown field or part, bad value, a configuration that is invalid) is a
+one-line error naming it before anything runs; the comparison of outputs is bitwise."""
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 
-os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
-
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+import bench_decode_kernel as bk
+from mla_backend.config import decode_config
 
 
-def test_variant_is_an_independent_module_that_compiles(tmp_path):
-    import bench_decode_kernel
-    from mla_backend.hopper import decode_sm90
+def test_a_spec_is_field_value_pairs():
+    assert bk.parse_variant("p_planes=1") == {"p_planes": 1}
+    assert bk.parse_variant("rows_per_block=32, num_stages=4") == {"rows_per_block": 32, "num_stages": 4}
+    assert bk.parse_variant("skip=softmax+pv") == {"skip": frozenset({"softmax", "pv"})}
+    assert bk.parse_variant("causal=0,p_precision=fp8x2") == {"causal": False, "p_precision": "fp8x2"}
+    assert bk.format_overrides(bk.parse_variant("p_planes=2,skip=pv+s,causal=1")) == "p_planes=2,skip=pv+s,causal=1"
 
-    edited = tmp_path / "edited.py"
-    edited.write_text(open(decode_sm90.__file__).read() + "\nSM90_SMEM_CAPACITY = 100 * 1024  # edited copy\n")
-    variant = bench_decode_kernel.load_variant(str(edited), 0)
-    assert variant is not decode_sm90 and variant._COMPILED is not decode_sm90._COMPILED
-    assert variant.SM90_SMEM_CAPACITY == 100 * 1024 and decode_sm90.SM90_SMEM_CAPACITY == 227 * 1024
-    # the edit takes effect in the copy only: its kernel no longer fits the (edited) shared-memory limit
-    with pytest.raises(ValueError, match="shared memory"):
-        variant.compile_decode_sm90(12, 1, 32, arch="sm_90a")
-    assert callable(decode_sm90.compile_decode_sm90(12, 1, 32, arch="sm_90a"))
+
+@pytest.mark.parametrize("spec,message", [
+    ("p_planes", "FIELD=VALUE"),
+    ("=1", "FIELD=VALUE"),
+    ("heads=16", "unknown field 'heads'"),
+    ("timeline=0", "unknown field 'timeline'"),
+    ("num_stages=four", "invalid literal"),
+    ("skip=softmax+mma", "unknown part 'mma'"),
+    ("causal=yes", "expected 0, 1"),
+    ("p_precision=fp16", "p_precision must be one of"),
+    ("p_planes=1,p_planes=2", "given twice"),
+])
+def test_a_bad_spec_is_an_error_naming_it(spec, message):
+    with pytest.raises(ValueError, match=message) as err:
+        bk.parse_variant(spec)
+    assert str(err.value).startswith(f"--variant {spec!r}: ")
+
+
+def test_variants_are_the_runtime_configuration_with_overrides():
+    case = (12, 8, 32, 1 << 20, 1)
+    versions = bk.version_configs(case, [("a", {"p_planes": 2}), ("b", {"rows_per_block": 64}),
+                                         ("c", {"skip": frozenset({"pv"})})])
+    assert [name for name, _ in versions] == ["current", "a", "b", "c"]
+    current = versions[0][1]
+    assert current == decode_config(12, 8, 32)
+    assert versions[1][1] == decode_config(12, 8, 32, p_planes=2)
+    # fields a variant leaves out keep decode_config's defaults for what it sets: 64 rows take 3 ring stages
+    assert (versions[2][1].rows_per_block, versions[2][1].num_stages) == (64, 3)
+    assert versions[3][1].skip == {"pv"} and not versions[3][1].runs("pv")
+    # --rows-per-block applies to every version, a variant's own rows_per_block wins
+    rows32 = bk.version_configs(case, [("d", {"rows_per_block": 48})], rows_per_block=32)
+    assert [cfg.rows_per_block for _, cfg in rows32] == [32, 48]
+
+
+def test_an_invalid_configuration_names_its_variant():
+    with pytest.raises(ValueError, match=r"--variant 'x', case '12 1 32 4096 1': .*ping-pong"):
+        bk.version_configs((12, 1, 32, 4096, 1), [("x", {"num_stages": 3})])  # 16 rows run 4 stages
+    with pytest.raises(ValueError, match="the current configuration.*rows_per_block must be"):
+        bk.version_configs((12, 1, 32, 4096, 1), [], rows_per_block=20)
+
+
+def test_main_refuses_a_bad_spec_in_one_line_before_anything_runs(capsys):
+    assert bk.main(["--case", "12 1 32 4096 1", "--variant", "skip=softmax+mma"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "'skip=softmax+mma'" in err and "unknown part 'mma'" in err
+    assert bk.main(["--case", "12 1 32", "--variant", "p_planes=1"]) == 2
+    assert "--case needs 5 numbers" in capsys.readouterr().err
 
 
 def test_main_needs_a_gpu_and_says_so(capsys, monkeypatch):
     import torch
 
-    import bench_decode_kernel
-
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert bench_decode_kernel.main(["--case", "12 1 32 4096 1"]) == 2
+    assert bk.main(["--case", "12 1 32 4096 1", "--variant", "p_planes=1"]) == 2
     assert "GPU" in capsys.readouterr().err
+
+
+def test_a_variant_that_does_not_fit_shared_memory_is_an_error_naming_it():
+    case = (128, 1, 32, 4096, 1)
+    versions = bk.version_configs(case, [("rows_per_block=64,num_stages=4", {"rows_per_block": 64,
+                                                                              "num_stages": 4})])
+    with pytest.raises(ValueError, match=r"--variant 'rows_per_block=64,num_stages=4'.*shared memory"):
+        bk.compile_versions(case, versions[1:])
 
 
 def test_compare_outputs_is_bitwise_and_reports_the_largest_difference():
     import torch
 
-    import bench_decode_kernel
-
     ref = [torch.zeros(4, dtype=torch.bfloat16), torch.tensor([1.0, float("-inf")])]
-    assert bench_decode_kernel.compare_outputs(ref, [t.clone() for t in ref]) == "identical"
+    assert bk.compare_outputs(ref, [t.clone() for t in ref]) == "identical"
     got = [ref[0].clone(), torch.tensor([1.25, float("-inf")])]
-    assert bench_decode_kernel.compare_outputs(ref, got) == "DIFFERENT (max |diff| 0.25)"
+    assert bk.compare_outputs(ref, got) == "DIFFERENT (max |diff| 0.25)"
     got = [ref[0].clone(), torch.tensor([float("nan"), float("-inf")])]
-    assert bench_decode_kernel.compare_outputs(ref, got) == "DIFFERENT (max |diff| inf)"
+    assert bk.compare_outputs(ref, got) == "DIFFERENT (max |diff| inf)"

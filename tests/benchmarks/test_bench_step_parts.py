@@ -1,11 +1,6 @@
 """benchmarks/bench_step_parts.py: what each piece adds to a step, from the variants' medians."""
 
-import os
-import sys
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
-
-import bench_step_parts  # noqa: E402
+import bench_step_parts
 
 
 def test_part_costs_are_differences_of_the_variants():

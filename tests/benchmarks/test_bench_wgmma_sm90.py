@@ -4,14 +4,7 @@ bad N is refused."""
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
-
-os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                                "benchmarks"))
 
 
 @pytest.mark.parametrize("n,rs,warpgroups,fill", [(16, False, 1, True), (48, True, 2, True), (256, True, 2, False),

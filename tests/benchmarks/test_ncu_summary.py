@@ -1,14 +1,10 @@
 """benchmarks/ncu_summary.py reads ncu's source-page CSV (banner and program output first) and ranks stalls."""
 
-import os
 import re
-import sys
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
-
-import ncu_summary  # noqa: E402
+import ncu_summary
 
 NCU_OUTPUT = '''==PROF== Connected to process 1
 H12 q1 page 32 1048576 x B4: decode 1070.2 us

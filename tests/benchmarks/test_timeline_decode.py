@@ -1,67 +1,63 @@
-"""benchmarks/timeline_decode.py: every stamp anchor is in the current kernel_sw source, a moved anchor is an
-error, the stamped copy still compiles for sm_90a on the CPU, and the phase arithmetic handles the wrapped clock."""
-
-import os
-import sys
+"""benchmarks/timeline_decode.py: the timeline builds (decode_config(..., timeline=F)) of the S^T warpgroup
+schedule compile for sm_90a on the CPU, a 16-row case is refused, the stamps are read where the kernel writes
+them, and the phase arithmetic handles the wrapped clock."""
 
 import pytest
+import torch
 
-os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
-
-import timeline_decode as tl  # noqa: E402
-
-
-def _source():
-    from mla_backend.hopper import decode_sm90
-
-    with open(decode_sm90.__file__) as f:
-        return f.read()
+import timeline_decode as tl
+from mla_backend.config import TIMELINE_CHUNKS
 
 
-def test_every_anchor_gets_a_stamp():
-    source = _source()
-    stamped = tl.instrument(source)
-    # one stamp per anchor occurrence (the S_FREE wait and the copies exist once per copy order), two lines each
-    start, end = tl.kernel_sw_span(source)
-    body = source[start:end].split("\n")
-    hits = sum(sum(text in line for line in body) for text, *_ in tl.S_MARKS + tl.P_MARKS)
-    start, end = tl.kernel_sw_span(source, "_sw_chunk")
-    chunk = source[start:end].split("\n")
-    hits += sum(sum(text in line for line in chunk) for text, *_ in tl.CHUNK_MARKS)
-    assert stamped.count("_tl_store(tl_base") == hits
-    assert len(stamped.splitlines()) > len(source.splitlines()) + 2 * hits
+@pytest.mark.parametrize("heads,q_len,first", [(12, 8, 100), (128, 1, 0), (16, 2, 0)])
+def test_the_timeline_build_compiles(heads, q_len, first):
+    from mla_backend.hopper.decode import compile_decode
+
+    cfg = tl.timeline_config((heads, q_len, 32, 1 << 20, 1), first)
+    assert cfg.timeline == first and cfg.rows_per_block > 16
+    assert callable(compile_decode(cfg))
 
 
-def test_a_later_window_of_chunks_is_stamped_from_slot_zero():
-    source = _source()
-    stamped = tl.instrument(source, first_chunk=160)
-    assert stamped.count("_tl_store(tl_base") == tl.instrument(source).count("_tl_store(tl_base")
-    assert f"j >= 160 and j < {160 + tl.TL_CHUNKS}:" in stamped
-    assert "((j - 160) * 32 + 0) * 4" in stamped
-    assert "ci >= 0 and" not in stamped
+def test_a_variant_is_stamped_and_a_16_row_case_is_refused():
+    cfg = tl.timeline_config((12, 8, 32, 4096, 1), 0, {"p_planes": 2})
+    assert (cfg.p_planes, cfg.timeline) == (2, 0)
+    with pytest.raises(ValueError, match="case '12 1 32 4096 1':.*rows_per_block=32"):
+        tl.timeline_config((12, 1, 32, 4096, 1))
+    assert tl.timeline_config((12, 1, 32, 4096, 1), 0, {"rows_per_block": 32}).rows_per_block == 32
+    with pytest.raises(ValueError, match="chunk >= 0"):
+        tl.timeline_config((12, 8, 32, 4096, 1), -1)
 
 
-def test_a_moved_anchor_is_an_error():
-    source = _source().replace("# buffer j % 2 last held S^T(j - 2)", "# buffer j % 2 held S^T(j - 2)")
-    with pytest.raises(ValueError, match="buffer j % 2 last held"):
-        tl.instrument(source)
+def test_main_refuses_bad_arguments_before_anything_runs(capsys):
+    assert tl.main(["--case", "12 1 32 4096 1"]) == 2
+    assert "S^T-warpgroup schedule" in capsys.readouterr().err
+    assert tl.main(["--case", "12 8 32 4096 1", "--row-block", "2"]) == 2  # 96 rows: 2 blocks of 48
+    assert "2 row blocks" in capsys.readouterr().err
+    assert tl.main(["--case", "12 8 32 4096 1", "--variant", "skip=nothing"]) == 2
+    assert "unknown part 'nothing'" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("heads,q_len", [(12, 8), (128, 1), (16, 2)])
-def test_the_stamped_kernel_compiles(tmp_path, heads, q_len):
-    import bench_decode_kernel
-
-    path = tmp_path / f"tl_{heads}_{q_len}.py"
-    path.write_text(tl.instrument(_source(), first_chunk=100 if heads == 12 else 0))
-    module = bench_decode_kernel.load_variant(str(path), 91 + heads)
-    fn = module.compile_decode_sm90(heads, q_len, 32, arch="sm_90a")
-    assert fn.decode_op.s_wg
+def test_the_stamps_fit_the_spare_slots_and_are_read_where_the_kernel_writes_them():
+    # 40 chunks x 32 stamps x 4 bytes = 5 KB per stamped CTA, 4 stamped CTAs per row block
+    cfg = tl.timeline_config((12, 8, 32, 4096, 1))  # 96 rows in 2 row blocks of 48: 40 KB of stamps
+    slot_bytes = cfg.num_rows * 512 * 2  # fp16 partials: 96 KB
+    assert tl.stamp_slots(cfg, slot_bytes) == 1
+    small = tl.timeline_config((12, 1, 32, 4096, 1), 0, {"rows_per_block": 32})  # 12 rows: 20 KB, slots of 12 KB
+    assert tl.stamp_slots(small, small.num_rows * 512 * 2) == 2
+    # the kernel's byte offset of (row block, CTA, chunk, slot): ((rb * CTAS + cta) * CHUNKS * SLOTS + ...) * 4
+    spare = torch.zeros(tl.stamp_slots(cfg, slot_bytes), cfg.q_len, cfg.num_heads, 512, dtype=torch.float16)
+    words = spare.view(-1).view(torch.int32)
+    rb, cta, chunk, slot = 1, 2, 5, 9
+    words[((rb * tl.TIMELINE_CTAS + cta) * TIMELINE_CHUNKS + chunk) * tl.TIMELINE_SLOTS + slot] = -2
+    stamps = tl.read_stamps(spare, rb, cta)
+    assert len(stamps) == TIMELINE_CHUNKS and all(len(s) == tl.TIMELINE_SLOTS for s in stamps)
+    assert stamps[chunk][slot] == 0xFFFFFFFE and sum(map(sum, stamps)) == 0xFFFFFFFE
+    assert sum(map(sum, tl.read_stamps(spare, rb, cta - 1))) == 0
 
 
 def test_phase_medians_wrap_order_and_missing():
     events = ["a", "b", "c"]
-    stamps = [[0] * tl.TL_SLOTS for _ in range(8)]
+    stamps = [[0] * tl.TIMELINE_SLOTS for _ in range(8)]
     for j in range(8):
         stamps[j][0] = (0xFFFFFF00 + 1000 * j) & 0xFFFFFFFF  # the clock wraps between chunks 0 and 1
         stamps[j][2] = (stamps[j][0] + 100) & 0xFFFFFFFF  # c happens before b
