@@ -36,7 +36,7 @@ Tensor = torch.Tensor
 DEFAULT_TILE_TOKENS = 64
 # Per-segment overhead in tile units: loading the q block and writing one partial (plus its share of the
 # merge) costs about as much as streaming a few KV tiles. FlashMLA uses the equivalent of 5. On our kernel 4
-# measured best on the H200 (docs/performance.md, What moved): 8K x B64 0.5-0.8 us faster than 5, equal or
+# measured best on the H200 (docs/experiments.md, Planner): 8K x B64 0.5-0.8 us faster than 5, equal or
 # within 0.3 us elsewhere; 3 and 7 lose 1.2 us on 128K + 63 x 2K.
 DEFAULT_SEGMENT_OVERHEAD = 4
 H200_SMS = 132
