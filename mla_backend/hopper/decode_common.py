@@ -235,6 +235,18 @@ class MLADecodeSM90(PagedKVLoads, OnlineSoftmax, DecodeMMA, DecodeEpilogue):
         return b, seg_end, seq_len, tok_begin, tok_end, n_chunks
 
     @cute.jit
+    def _segment_of_row(self, cta: CTAContext, b: Int32, g: Int32, g_end: Int32, srow_g: Int32):
+        """`_segment`, and what the softmax row srow_g needs of it: the end of its tokens (`_row_end`), whether the
+        request is split, and the workspace slot of this CTA's partial. Returns (b, seg_end, tok_begin, tok_end,
+        n_chunks, row_end, split, slot)."""
+        b, seg_end, seq_len, tok_begin, tok_end, n_chunks = self._segment(cta.mReqTileStart, cta.mSeq, b, g, g_end,
+                                                                          cta.t_last)
+        row_end = self._row_end(tok_end, seq_len, srow_g)
+        split = cta.mNumSplits[b] != 1
+        slot = cta.mSplitOffset[b] + cta.cta - cta.mReqFirstCta[b]
+        return b, seg_end, tok_begin, tok_end, n_chunks, row_end, split, slot
+
+    @cute.jit
     def _row_end(self, tok_end: Int32, seq_len: Int32, srow_g: Int32) -> Int32:
         """The end of the tokens query row srow_g sees in its segment (causal: L - q_len + t + 1)."""
         row_end = tok_end

@@ -66,11 +66,8 @@ class MLADecodeRows16SM90(MLADecodeSM90):
         g_end = cta.mCtaTileStart[cta.cta + 1]
         b = cta.mCtaFirstReq[cta.cta]
         while g < g_end:
-            b, seg_end, seq_len, tok_begin, tok_end, n_chunks = self._segment(cta.mReqTileStart, cta.mSeq, b, g,
-                                                                              g_end, cta.t_last)
-            row_end = self._row_end(tok_end, seq_len, srow_g)
-            split = cta.mNumSplits[b] != 1
-            slot = cta.mSplitOffset[b] + cta.cta - cta.mReqFirstCta[b]
+            b, seg_end, tok_begin, tok_end, n_chunks, row_end, split, slot = self._segment_of_row(cta, b, g, g_end,
+                                                                                                 srow_g)
 
             # ---- Q of request b: cp.async (thread t: row t / 4, pieces t % 4 + 4i), padding rows zeroed ----
             qrow = tidx // 4

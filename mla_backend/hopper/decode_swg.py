@@ -181,11 +181,8 @@ class MLADecodeSwgSM90(MLADecodeSM90):
         ssub = tidx % TPR
         srow_g = cta.row0 + srow
         while g < g_end:
-            b, seg_end, seq_len, tok_begin, tok_end, n_chunks = self._segment(cta.mReqTileStart, cta.mSeq, b, g,
-                                                                              g_end, cta.t_last)
-            row_end = self._row_end(tok_end, seq_len, srow_g)
-            split = cta.mNumSplits[b] != 1
-            slot = cta.mSplitOffset[b] + cta.cta - cta.mReqFirstCta[b]
+            b, seg_end, tok_begin, tok_end, n_chunks, row_end, split, slot = self._segment_of_row(cta, b, g, g_end,
+                                                                                                 srow_g)
             acc_O.fill(0.0)
             row_max = -Float32.inf
             row_sum = Float32(0.0)
