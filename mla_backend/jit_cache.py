@@ -19,6 +19,7 @@ import logging
 import os
 import tempfile
 import time
+import warnings
 from typing import Callable, Dict, Optional, Tuple
 
 from .config import environment
@@ -94,7 +95,11 @@ def compiled(config, make: Callable[[], Tuple[object, tuple]]):
 def _compile(config, kernel, args):
     import cutlass.cute as cute
 
-    return cute.compile(kernel, *args, options=f"--gpu-arch {config.arch}")
+    with warnings.catch_warnings():
+        # CuTe DSL notes that a fully unrolled loop of many iterations compiles slowly; the kernels unroll theirs on
+        # purpose (a register array indexed at run time would go to local memory), so the note says nothing new
+        warnings.filterwarnings("ignore", message="This static loop has")
+        return cute.compile(kernel, *args, options=f"--gpu-arch {config.arch}")
 
 
 def _load(config):

@@ -3,25 +3,25 @@ the caches stay bounded. (PDL is a configuration switch: tests/test_config.py.)"
 
 import cutlass
 
-from mla_backend.hopper import launch as cute_utils
+from mla_backend.hopper import launch
 
 
 def test_pointers_are_shared_per_value():
-    a = cute_utils.gmem_ptr(cutlass.Int32, 4, 4096)
-    assert cute_utils.gmem_ptr(cutlass.Int32, 4, 4096) is a
-    assert cute_utils.gmem_ptr(cutlass.Int32, 4, 8192) is not a
-    assert cute_utils.gmem_ptr(cutlass.Float32, 4, 4096) is not a
-    assert cute_utils.gmem_ptr(cutlass.Int32, 16, 4096) is not a
-    b = cute_utils.gmem_ptr(cutlass.Int32, 4, 8192)
+    a = launch.gmem_ptr(cutlass.Int32, 4, 4096)
+    assert launch.gmem_ptr(cutlass.Int32, 4, 4096) is a
+    assert launch.gmem_ptr(cutlass.Int32, 4, 8192) is not a
+    assert launch.gmem_ptr(cutlass.Float32, 4, 4096) is not a
+    assert launch.gmem_ptr(cutlass.Int32, 16, 4096) is not a
+    b = launch.gmem_ptr(cutlass.Int32, 4, 8192)
     assert b.dtype is cutlass.Int32 and b.__c_pointers__() and int(b._pointer) == 8192
 
 
 def test_pointer_cache_is_bounded():
-    for i in range(cute_utils._CACHE_LIMIT + 10):
-        cute_utils.gmem_ptr(cutlass.Int32, 16, (i + 1) * 16)
-    assert len(cute_utils._pointers) <= cute_utils._CACHE_LIMIT
+    for i in range(launch._CACHE_LIMIT + 10):
+        launch.gmem_ptr(cutlass.Int32, 16, (i + 1) * 16)
+    assert len(launch._pointers) <= launch._CACHE_LIMIT
 
 
 def test_streams_are_shared_per_handle():
-    assert cute_utils.cuda_stream() is cute_utils.cuda_stream()
-    assert int(cute_utils.cuda_stream()) == 0
+    assert launch.cuda_stream() is launch.cuda_stream()
+    assert int(launch.cuda_stream()) == 0

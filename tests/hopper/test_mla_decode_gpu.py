@@ -418,3 +418,29 @@ def test_kernels_loaded_from_the_kernel_cache_compute_what_compiled_ones_do(tmp_
         runs.append((result.stdout.split()[-1], torch.load(path)))
     assert [how for how, _ in runs] == ["compiled", "loaded"]
     assert torch.equal(runs[0][1][0], runs[1][1][0]) and torch.equal(runs[0][1][1], runs[1][1][1])
+
+
+@pytest.mark.parametrize("heads,q_len,num_ctas", [(12, 1, 132), (16, 2, 132), (12, 8, 66), (128, 1, 66)])
+def test_nan_in_q_or_kv_gives_nan_rows_not_empty_rows(heads, q_len, num_ctas):
+    """NaN input shows as NaN output, never as an empty row (out = 0): a NaN in one query row's q poisons that
+    row; a NaN in a KV token poisons every row that sees it. Requests 0 and 1 are split over many CTAs (the
+    combine merges them), request 2 is not; the rows that read no NaN stay finite."""
+    lengths = [200000, 150000, 3000]
+    q, kv, bt, sl, qs, ks = make_decode_inputs(lengths, q_len=q_len, num_heads=heads, page_size=32, device="cuda",
+                                               seed=77)
+    q, kv = q.float(), kv.float()
+    q[0, 0, 3, 17] = float("nan")  # request 0, query position 0, head 3
+    q[2, q_len - 1, 1, 5] = float("nan")  # the unsplit request, its last query position, head 1
+    kv[int(bt[1, 100]), 7, 3] = float("nan")  # token 3207 of request 1: every row of it sees that token
+    q, kv = q.to(torch.float8_e4m3fn), kv.to(torch.float8_e4m3fn)
+    plan = plan_splits(sl, q_len=q_len, num_heads=heads, page_size=32, num_ctas=num_ctas)
+    assert plan.num_splits[0].item() > 1 and plan.num_splits[1].item() > 1 and plan.num_splits[2].item() == 1
+    out, lse = mla_decode(q, kv, bt, sl, softmax_scale=576 ** -0.5, q_scale=qs, k_scale=ks, plan=plan,
+                          workspace=DecodeWorkspace.for_plan(plan, q_len, heads))
+    nan_rows = torch.zeros(len(lengths), q_len, heads, dtype=torch.bool, device="cuda")
+    nan_rows[0, 0, 3] = True
+    nan_rows[2, q_len - 1, 1] = True
+    nan_rows[1] = True
+    assert torch.equal(torch.isnan(lse), nan_rows)
+    assert torch.isnan(out.float()).all(-1).eq(nan_rows).all()
+    assert torch.isfinite(out.float()[~nan_rows]).all()
