@@ -149,10 +149,13 @@ def resolve(args, extra):
         speculative = SpeculativeConfig(method="mtp", num_speculative_tokens=args.num_speculative_tokens,
                                         target_model_config=model, target_parallel_config=parallel)
     additional = {"cute_mla_fp8": {"p_precision": args.p_precision}} if args.p_precision else {}
-    # The device only lets the configuration be built on a machine without a GPU; the checks are the H200's.
+    try:
+        device = DeviceConfig()
+    except RuntimeError:  # no GPU platform here: name a device, so the configuration can be built (checks: H200's)
+        device = DeviceConfig(device="cpu")
     engine = VllmConfig(model_config=model, cache_config=CacheConfig(block_size=block_size, cache_dtype="fp8"),
                         parallel_config=parallel, speculative_config=speculative, additional_config=additional,
-                        device_config=DeviceConfig(device="cpu"))
+                        device_config=device)
     with set_current_vllm_config(engine):  # as vLLM's selector validates
         reasons = backend.validate_configuration(
             head_size=model.get_head_size(), dtype=model.dtype, kv_cache_dtype="fp8", block_size=block_size,
