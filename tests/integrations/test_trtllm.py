@@ -187,16 +187,16 @@ def test_unreadable_pool_layouts_are_refused(bad, reason):
 
 
 def test_plan_is_computed_once_per_step_and_shared(monkeypatch):
-    import mla_backend.planner as planner
+    import mla_backend.plan as plan
 
     calls = []
-    real = planner.plan_splits
+    real = plan.plan_splits
 
     def counting(*a, **k):
         calls.append(k.get("out") is not None)
         return real(*a, **k)
 
-    monkeypatch.setattr(planner, "plan_splits", counting)
+    monkeypatch.setattr(plan, "plan_splits", counting)
     plans = trt.StepPlans()
     step = TrtllmBatch([40, 70], q_len=1, seed=5)
     for _step in range(3):
@@ -213,7 +213,7 @@ def test_plan_is_computed_once_per_step_and_shared(monkeypatch):
 
 
 def test_owner_layer_replans_from_the_new_lengths_and_others_reuse():
-    from mla_backend.planner import plan_splits
+    from mla_backend.plan import plan_splits
 
     plans = trt.StepPlans()
     lengths = torch.tensor([40, 70], dtype=torch.int32)
@@ -247,5 +247,56 @@ def test_serve_config_switch_is_one_env_entry():
     text = trt.serve_yaml(trt.serve_config())
     assert 'TLLM_FMHA_LIBS: "+cute_mla_fp8"' in text and "tokens_per_block: 64" in text
     assert trt.shell_command(trt.serve_config()).startswith("TLLM_FMHA_LIBS=+cute_mla_fp8 trtllm-serve ")
-    with pytest.raises(ValueError):
-        trt.serve_config(page_size=16)
+
+
+def test_serve_config_exports_the_p_precision_to_every_rank():
+    config = trt.serve_config(mtp_layers=3, p_precision="fp8x2")
+    want = {"TLLM_FMHA_LIBS": "+cute_mla_fp8", "CUTE_MLA_P_PRECISION": "fp8x2"}
+    assert config["env"] == want and config["yaml"]["env_overrides"] == want
+    assert trt.shell_command(config).startswith("TLLM_FMHA_LIBS=+cute_mla_fp8 CUTE_MLA_P_PRECISION=fp8x2 trtllm-serve ")
+    assert "CUTE_MLA_P_PRECISION: fp8x2" in trt.serve_yaml(config)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(page_size=16), "tokens_per_block 16 is not supported: cute_mla_fp8 pages hold 32 or 64 tokens"),
+    (dict(mtp_layers=8), "8 MTP layers make generation queries of 9 tokens: cute_mla_fp8 decodes at most 8 query "
+                         "tokens per request (at most 7 MTP layers)"),
+    (dict(p_precision="fp16"), "CUTE_MLA_P_PRECISION must be one of 'fp8', 'fp8x2', got 'fp16'"),
+])
+def test_serve_config_refuses_what_the_library_would_decline_on_every_step(kwargs, message):
+    with pytest.raises(ValueError) as refused:
+        trt.serve_config(**kwargs)
+    assert str(refused.value) == message
+
+
+@pytest.mark.parametrize("p_precision", ["fp8", "fp8x2"])
+def test_run_generation_passes_the_environments_p_precision(monkeypatch, p_precision):
+    from mla_backend.config import read_environment
+
+    monkeypatch.setattr(trt.library, "environment",
+                        lambda: read_environment({"CUTE_MLA_P_PRECISION": p_precision}))
+    seen = []
+
+    def decode(*args, **kwargs):
+        seen.append(kwargs["p_precision"])
+        return mla_decode(*args, **kwargs)
+
+    step = TrtllmBatch([40, 3], q_len=2, page=64, seed=4)
+    trt.run_generation(step.fmha_params(), plans=trt.StepPlans(), scales=trt.ScaleBuffers(), decode=decode)
+    assert seen == [p_precision]
+
+
+def test_a_bad_p_precision_in_the_environment_keeps_the_library_off_with_the_reason(monkeypatch):
+    from mla_backend.config import read_environment
+
+    monkeypatch.setattr(trt.library, "environment", lambda: read_environment({"CUTE_MLA_P_PRECISION": "fp4"}))
+    attn = SimpleNamespace(is_mla_enable=True, sparse_params=None, flashinfer_mla_backend=None, kv_lora_rank=512,
+                           qk_rope_head_dim=64, has_fp8_kv_cache=True, num_heads=16)
+    assert trt.layer_refusal(attn) == "CUTE_MLA_P_PRECISION must be one of 'fp8', 'fp8x2', got 'fp4'"
+
+
+@pytest.mark.parametrize("num_heads", [4, 129])
+def test_head_counts_the_kernels_do_not_take_are_declined(num_heads):
+    attn = SimpleNamespace(is_mla_enable=True, sparse_params=None, flashinfer_mla_backend=None, kv_lora_rank=512,
+                           qk_rope_head_dim=64, has_fp8_kv_cache=True, num_heads=num_heads)
+    assert trt.layer_refusal(attn) == f"num_heads (per rank) must be in 8..128, got {num_heads}"

@@ -8,12 +8,16 @@ The stand-in is written for these tests, not copied. It has the structure read a
   comma list in the given order, or only +/- entries applied to the default set and returned in FMHA_LIBS
   order; an unknown name raises ValueError.
 - fmha/interface.py @ 0352547d: Fmha.is_available (class method) / is_supported(..., phase=) wrap the
-  _is_available / _is_supported hooks; FmhaPhase is a str Enum (CONTEXT="context", GENERATION="generation").
+  _is_available / _is_supported hooks; FmhaPhase is a str Enum (CONTEXT="context", GENERATION="generation");
+  FmhaParams, the flat dataclass PhasedFmha fills (below: the fields run_generation reads, and a few more).
+  Older revisions named qkv_or_q / output / sequence_length qkv_input / context_buf / sequence_lengths and had
+  no kv_pool (OLD_FMHA_PARAMS).
 - fmha/manager.py @ 2c9ce61b: FmhaManager keeps the enabled classes whose is_available(attn) is true, and
   for an MLA call takes the first whose is_supported(q, k, v, metadata, forward_args, phase=...) is true.
 """
 
 import importlib
+import importlib.util
 import logging
 import sys
 import textwrap
@@ -30,7 +34,26 @@ PACKAGE = "tensorrt_llm._torch.attention.backends.fmha"
 
 STANDIN = {
     "interface.py": '''
-        import enum, weakref
+        import dataclasses, enum, weakref
+
+        @dataclasses.dataclass
+        class FmhaParams:
+            fwd: object = None
+            attn: object = None
+            meta: object = None
+            local_layer_idx: int = -1
+            kv_pool: object = None
+            seq_offset: int = 0
+            num_seqs: int = 0
+            num_tokens: int = 0
+            layer_idx: int = -1
+            num_heads: int = -1
+            max_num_requests: int = 0
+            output: object = None
+            qkv_or_q: object = None
+            sequence_length: object = None
+            kv_cache_block_offsets: object = None
+            host_kv_cache_pool_mapping: object = None
 
         class FmhaPhase(str, enum.Enum):
             CONTEXT = "context"
@@ -122,23 +145,46 @@ STANDIN = {
 }
 
 
-@pytest.fixture
-def trtllm(tmp_path, monkeypatch):
-    """The stand-in package on sys.path, unimported; everything it loaded is dropped afterwards."""
-    root = tmp_path / "standin"
-    fmha = root.joinpath(*PACKAGE.split("."))
+# interface.py's FmhaParams as older revisions had it (the fields run_generation reads under other names).
+OLD_FMHA_PARAMS = {"interface.py": STANDIN["interface.py"].replace("qkv_or_q", "qkv_input").replace(
+    "output: object", "context_buf: object").replace("sequence_length:", "sequence_lengths:").replace(
+    "            kv_pool: object = None\n", "")}
+# phased.py before PhasedFmha handed libraries the KV pool.
+NO_KV_POOL = {"phased.py": STANDIN["phased.py"].replace("            NEEDS_KV_POOL = False\n", "")}
+# The older layout of the package (tensorrt_llm/_torch/attention_backend/fmha), which is not supported.
+OLD_PACKAGE = "tensorrt_llm._torch.attention_backend.fmha"
+
+
+def write_standin(root, package=PACKAGE, overrides=None):
+    """The stand-in fmha package under `root` (a sys.path entry), with files of `overrides` replaced."""
+    fmha = root.joinpath(*package.split("."))
     fmha.mkdir(parents=True)
-    for depth in range(1, len(PACKAGE.split(".")) + 1):
-        root.joinpath(*PACKAGE.split(".")[:depth], "__init__.py").write_text("")
-    for name, text in STANDIN.items():
+    for depth in range(1, len(package.split(".")) + 1):
+        root.joinpath(*package.split(".")[:depth], "__init__.py").write_text("")
+    for name, text in {**STANDIN, **(overrides or {})}.items():
         (fmha / name).write_text(textwrap.dedent(text))
-    monkeypatch.syspath_prepend(str(root))
+    return root
+
+
+@pytest.fixture
+def standin(tmp_path, monkeypatch):
+    """standin(package, overrides) puts a stand-in on sys.path, unimported; everything it loaded is dropped
+    afterwards."""
     monkeypatch.delenv("TLLM_FMHA_LIBS", raising=False)
     trt.library._logged_reasons.clear()
-    yield
+
+    def make(package=PACKAGE, overrides=None):
+        monkeypatch.syspath_prepend(str(write_standin(tmp_path / "standin", package, overrides)))
+
+    yield make
     trt.remove_import_hook()
     for name in [n for n in sys.modules if n == "tensorrt_llm" or n.startswith("tensorrt_llm.")]:
         del sys.modules[name]
+
+
+@pytest.fixture
+def trtllm(standin):
+    standin()
 
 
 class Attn(SimpleNamespace):
@@ -267,3 +313,47 @@ def test_without_an_sm90_gpu_the_library_is_unavailable(trtllm, monkeypatch, cap
         assert type(select(mla_attn(), *generation_call(step))).__name__ == "CuteDslMlaFmha"
     if not torch.cuda.is_available():
         assert any("no CUDA device" in r.getMessage() for r in caplog.records)
+
+
+def test_registration_checks_the_revision_can_run_us(trtllm):
+    phased = importlib.import_module(PACKAGE + ".phased")
+    assert trt.capability_refusal(phased) is None
+    ours = trt.register()
+    assert ours.__name__ == "CuteMlaFp8Fmha" and hasattr(ours, "run_mla_generation")
+
+
+@pytest.mark.parametrize("overrides, reason", [
+    (OLD_FMHA_PARAMS, "this TensorRT-LLM's FmhaParams has no sequence_length, output, kv_pool"),
+    (NO_KV_POOL, "this TensorRT-LLM's PhasedFmha does not hand libraries the KV pool (no NEEDS_KV_POOL)"),
+])
+def test_an_older_revision_falls_back_to_trtllms_kernels_with_one_logged_reason(standin, monkeypatch, on_sm90,
+                                                                                 caplog, overrides, reason):
+    """+cute_mla_fp8 stays a valid choice (the launch does not fail), but the library is never available: every
+    layer runs on TensorRT-LLM's own kernels, and the reason is logged once."""
+    standin(overrides=overrides)
+    trt.register_when_imported()
+    monkeypatch.setenv("TLLM_FMHA_LIBS", "+cute_mla_fp8")
+    registry = importlib.import_module(PACKAGE + ".registry")
+    ours = registry.FMHA_LIBS["cute_mla_fp8"]
+    assert ours.UNAVAILABLE_REASON.startswith(reason) and "241e6ec8" in ours.UNAVAILABLE_REASON
+    assert ours in registry.get_enabled_fmha_lib_classes()
+    step = TrtllmBatch([40, 7], q_len=2)
+    with caplog.at_level(logging.WARNING, logger="mla_backend.integrations.trtllm"):
+        for layer_idx in (3, 4, 5):
+            assert type(select(mla_attn(layer_idx=layer_idx), *generation_call(step))).__name__ == "CuteDslMlaFmha"
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 1 and reason in messages[0] and "falling back" in messages[0]
+
+
+def test_the_older_attention_backend_layout_is_not_registered_into(standin):
+    standin(package=OLD_PACKAGE)
+    trt.register_when_imported()
+    registry = importlib.import_module(OLD_PACKAGE + ".registry")
+    assert "cute_mla_fp8" not in registry.FMHA_LIBS and not trt.is_registered()
+
+
+def test_the_capability_check_users_run_without_tensorrt_llm():
+    assert importlib.util.find_spec("tensorrt_llm") is None
+    reason = trt.capability_refusal()
+    assert reason.startswith("TensorRT-LLM's FMHA package tensorrt_llm._torch.attention.backends.fmha cannot be "
+                             "imported") and trt.SUPPORTED_REVISIONS in reason

@@ -17,8 +17,10 @@ from typing import Any, Callable, Dict, Optional, Set, Tuple
 
 import torch
 
-from .translate import (KV_DIM, LATENT_DIM, MAX_Q_LEN, ROPE_DIM, SUPPORTED_PAGE_SIZES, LayoutRefused,
-                        ScaleBuffers, decode_args, kv_pool_view)
+from mla_backend.config import environment
+from mla_backend.shapes import KV_DIM, LATENT_DIM, MAX_HEADS, MAX_Q_LEN, MIN_HEADS, ROPE_DIM, SUPPORTED_PAGE_SIZES
+
+from .translate import LayoutRefused, ScaleBuffers, decode_args, kv_pool_view
 
 LIBRARY_NAME = "cute_mla_fp8"
 CLASS_NAME = "CuteMlaFp8Fmha"
@@ -79,8 +81,12 @@ def layer_refusal(attn: Any) -> Optional[str]:
     if not getattr(attn, "has_fp8_kv_cache", False):
         return "the KV cache is not FP8 (set kv_cache_config.dtype: fp8)"
     num_heads = getattr(attn, "num_heads", 0)
-    if not 1 <= num_heads <= 128:
-        return f"num_heads must be in 1..128, got {num_heads}"
+    if not MIN_HEADS <= num_heads <= MAX_HEADS:
+        return f"num_heads (per rank) must be in {MIN_HEADS}..{MAX_HEADS}, got {num_heads}"
+    try:
+        environment()  # CUTE_MLA_P_PRECISION and the other switches, read once per process
+    except ValueError as error:
+        return str(error)
     return device_refusal()
 
 
@@ -166,7 +172,7 @@ class StepPlans:
             max_batch: Optional[int] = None, per_layer: bool = False):
         """The plan for this step. `max_batch` (TensorRT-LLM's max_num_requests) sizes the buffers once for
         every batch size, so the op's workspace, sized from the plan, is allocated once before graph capture."""
-        from mla_backend.planner import plan_splits
+        from mla_backend.plan import plan_splits
 
         plan_batch = max(max_batch or 0, seq_lens.shape[0])
         key = (seq_lens.device, seq_lens.untyped_storage().data_ptr(), seq_lens.storage_offset(), plan_batch,
@@ -194,7 +200,8 @@ SCALES = ScaleBuffers()
 
 def run_generation(params: Any, *, plans: StepPlans = STEP_PLANS, scales: ScaleBuffers = SCALES,
                    decode: Optional[Callable] = None) -> None:
-    """Run one generation phase from TensorRT-LLM's `FmhaParams`, writing into its output buffer."""
+    """Run one generation phase from TensorRT-LLM's `FmhaParams`, writing into its output buffer, at the
+    p_precision of CUTE_MLA_P_PRECISION (default "fp8"; the launch exports it to every rank)."""
     if decode is None:
         from mla_backend import mla_decode as decode
     fwd, meta = params.fwd, params.meta
@@ -213,7 +220,8 @@ def run_generation(params: Any, *, plans: StepPlans = STEP_PLANS, scales: ScaleB
                      per_layer=spec_decoding)
     decode(args.q, args.kv_cache, args.block_table, args.seq_lens, softmax_scale=args.softmax_scale,
            q_scale=args.q_scale, k_scale=args.k_scale, causal=True, out=args.out, plan=plan,
-           check_values=False)  # TensorRT-LLM's own metadata: no device sync per layer
+           check_values=False,  # TensorRT-LLM's own metadata: no device sync per layer
+           p_precision=environment().p_precision)
 
 
 # --------------------------------------------------------------------------- binding to TensorRT-LLM
@@ -264,3 +272,20 @@ def make_library_class(phased_fmha_base: type) -> type:
 
     CuteMlaFp8Fmha.__qualname__ = CLASS_NAME
     return CuteMlaFp8Fmha
+
+
+def make_unavailable_class(base: type, reason: str) -> type:
+    """Our library's name for a TensorRT-LLM that cannot run it (`registry.capability_refusal`): registered, so
+    that `TLLM_FMHA_LIBS=+cute_mla_fp8` is still a valid choice, but never available, so every layer falls back
+    to TensorRT-LLM's own libraries; the reason is logged once."""
+
+    def is_available(cls, attn) -> bool:
+        log_refusal_once(reason)
+        return False
+
+    # Both the hook and the public check: whichever this revision's FmhaManager calls.
+    cls = type(CLASS_NAME, (base,), {"__doc__": f"{LIBRARY_NAME}, unavailable here: {reason}",
+                                      "UNAVAILABLE_REASON": reason, "is_available": classmethod(is_available),
+                                      "_is_available": classmethod(is_available)})
+    cls.__module__ = __name__
+    return cls

@@ -12,6 +12,9 @@ from __future__ import annotations
 import shlex
 from typing import Any, Dict, List, Optional
 
+from mla_backend.config import P_PRECISION_ENV, check_p_precision
+from mla_backend.shapes import MAX_Q_LEN, SUPPORTED_PAGE_SIZES
+
 from .library import LIBRARY_NAME
 
 ENV_VAR = "TLLM_FMHA_LIBS"
@@ -25,14 +28,24 @@ PTH_LINE = ('import os; "' + LIBRARY_NAME + '" in os.environ.get("' + ENV_VAR
 def serve_config(model: str = "deepseek-ai/DeepSeek-V3", *, tp_size: int = 8, mtp_layers: int = 0,
                  max_batch_size: int = 128, max_num_tokens: int = 8192, page_size: int = 64,
                  free_gpu_memory_fraction: float = 0.85, config_path: str = "cute_mla_fp8_trtllm.yaml",
-                 host: str = "0.0.0.0", port: int = 8000, enable: bool = True) -> Dict[str, Any]:
+                 host: str = "0.0.0.0", port: int = 8000, enable: bool = True,
+                 p_precision: Optional[str] = None) -> Dict[str, Any]:
     """The trtllm-serve invocation for DeepSeek (PyTorch backend, FP8 KV cache, TP, optional MTP).
 
     Returns {"env": {...}, "yaml": {...}, "config_path": str, "command": [argv]}. With enable=False it is the
-    same server on TensorRT-LLM's own kernels: the only difference is the `TLLM_FMHA_LIBS` entry.
+    same server on TensorRT-LLM's own kernels: the only difference is the `TLLM_FMHA_LIBS` entry. `p_precision`
+    ("fp8", "fp8x2"; None: the kernels' default) is exported as CUTE_MLA_P_PRECISION, which every rank reads.
+    Raises ValueError, in one line, for what our library would decline on every generation step.
     """
-    if page_size not in (32, 64):
-        raise ValueError(f"page_size must be 32 or 64 (the kernels' page sizes), got {page_size}")
+    if page_size not in SUPPORTED_PAGE_SIZES:
+        raise ValueError(f"tokens_per_block {page_size} is not supported: {LIBRARY_NAME} pages hold "
+                         f"{' or '.join(map(str, SUPPORTED_PAGE_SIZES))} tokens")
+    if not 0 <= mtp_layers < MAX_Q_LEN:
+        raise ValueError(f"{mtp_layers} MTP layers make generation queries of {mtp_layers + 1} tokens: "
+                         f"{LIBRARY_NAME} decodes at most {MAX_Q_LEN} query tokens per request (at most "
+                         f"{MAX_Q_LEN - 1} MTP layers)")
+    if p_precision is not None:
+        check_p_precision(p_precision, P_PRECISION_ENV)
     yaml_config: Dict[str, Any] = {
         "kv_cache_config": {
             "dtype": "fp8",
@@ -47,7 +60,9 @@ def serve_config(model: str = "deepseek-ai/DeepSeek-V3", *, tp_size: int = 8, mt
     env: Dict[str, str] = {}
     if enable:
         env[ENV_VAR] = ENABLE_VALUE
-        yaml_config["env_overrides"] = {ENV_VAR: ENABLE_VALUE}
+        if p_precision is not None:
+            env[P_PRECISION_ENV] = p_precision
+        yaml_config["env_overrides"] = dict(env)
     command: List[str] = [
         "trtllm-serve", model,
         "--backend", "pytorch",

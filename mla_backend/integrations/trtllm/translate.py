@@ -26,12 +26,7 @@ from typing import Optional, Tuple
 
 import torch
 
-LATENT_DIM = 512
-ROPE_DIM = 64
-KV_DIM = LATENT_DIM + ROPE_DIM
-SUPPORTED_PAGE_SIZES = (32, 64)
-MAX_Q_LEN = 8
-FP8 = torch.float8_e4m3fn
+from mla_backend.shapes import FP8, KV_DIM, LATENT_DIM, MAX_Q_LEN, SUPPORTED_PAGE_SIZES
 
 Tensor = torch.Tensor
 

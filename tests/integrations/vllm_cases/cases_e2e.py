@@ -37,16 +37,27 @@ def vllm_tokens(checkpoint):
     return generate(checkpoint, "vllm_cpu_mla")["tokens"]
 
 
-def test_greedy_tokens_match_vllms_cpu_mla_backend(checkpoint, vllm_tokens):
+def decode_agreement(tokens, reference):
+    """The fraction of decode tokens (after each prompt's first, which the prefill makes) equal to the reference's."""
+    pairs = [(a, b) for ours, ref in zip(tokens, reference) for a, b in zip(ours[1:], ref[1:])]
+    return sum(a == b for a, b in pairs) / len(pairs)
+
+
+def test_greedy_decode_through_our_backend(checkpoint, vllm_tokens):
     ours = generate(checkpoint, "cute_mla_fp8")
-    steps = len(vllm_tokens) * (len(vllm_tokens[0]) - 1)  # decode steps after each prefill
     assert ours["block_size"] == 64
     # Every decode step of every layer went through our forward_mqa (2 layers; batched requests share calls).
     assert ours["forward_mqa_calls"] >= 2 * (len(vllm_tokens[0]) - 1), ours
-    assert steps > 0
-    assert ours["tokens"] == vllm_tokens
+    # Each call matches the fp32 reference decode of the same FP8 cache, block tables, lengths and scales.
+    assert ours["max_error"] < 2e-2, ours
+    # vLLM's CPU MLA decodes a bf16 cache: the same tokens but where FP8 rounding flips a near tie of the random
+    # checkpoint's logits (one of 21 with this seed). A wrong scale or layout changes nearly all (the control).
+    assert ours["tokens"][0][0] == vllm_tokens[0][0]
+    assert decode_agreement(ours["tokens"], vllm_tokens) >= 0.9, (ours["tokens"], vllm_tokens)
+    # Plans and workspace were all made before the first decode (one plan per q_len, one workspace), none after.
+    assert ours["allocations"] == ours["allocations_at_first_decode"] == 2, ours
 
 
 def test_a_broken_decode_changes_the_tokens(checkpoint, vllm_tokens):
     """Control: the comparison above can fail (the random checkpoint's logits are not flat)."""
-    assert generate(checkpoint, "cute_mla_fp8_broken")["tokens"] != vllm_tokens
+    assert decode_agreement(generate(checkpoint, "cute_mla_fp8_broken")["tokens"], vllm_tokens) < 0.5

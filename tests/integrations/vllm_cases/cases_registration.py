@@ -118,6 +118,33 @@ def test_environment_selection_rejects_a_bf16_cache_with_the_reason():
     assert "CUTE_MLA_FP8" in out and "--kv-cache-dtype fp8" in out
 
 
+@pytest.mark.parametrize("engine, words", [
+    (dict(dtype="float16"), ["dtype float16 is not supported", "--dtype bfloat16"]),
+    (dict(num_speculative_tokens=8), ["speculative decoding with 8 draft tokens makes decode queries of 9 tokens",
+                                      "num_speculative_tokens <= 7"]),
+])
+def test_selection_refuses_what_would_fail_after_the_model_loaded(tmp_path, engine, words):
+    """An fp16 model (our bf16 output into vLLM's fp16 projection) and more than 7 draft tokens (verify blocks over
+    8 tokens) are refused where vLLM selects the backend, inside the engine's configuration, with the reason."""
+    import tiny_deepseek
+
+    model = tiny_deepseek.write_config(str(tmp_path / "tiny"))
+    out = run_python(f"""
+        from vllm_harness import use_hopper_platform, select_mla_backend
+        use_hopper_platform()
+        from vllm.plugins import load_general_plugins
+        load_general_plugins()
+        try:
+            select_mla_backend({{"backend": "CUTE_MLA_FP8"}}, model={model!r}, **{engine!r})
+            print("selected")
+        except ValueError as e:
+            print(str(e).replace("\\n", " "))
+    """)
+    assert "not valid for this configuration" in out, out
+    for word in words:
+        assert word in out, out
+
+
 @pytest.mark.parametrize("selection", ["attention_backend", "environment"])
 def test_spawned_worker_resolves_our_backend(selection):
     """A spawned worker unpickles the engine config before it loads any plugin (vLLM under CUDA or Ray)."""

@@ -23,6 +23,9 @@ def main(checkpoint: str, backend: str) -> None:
 
     llm = LLM(model=checkpoint, skip_tokenizer_init=True, enforce_eager=True, max_model_len=1024,
               gpu_memory_utilization=0.2, distributed_executor_backend="uni", dtype="bfloat16", seed=0,
+              # Named: on a CPU with AMX, vLLM's CPU platform takes AMX_MLA (bf16 cache only) unless CPU_MLA is
+              # asked for; the CPU_MLA entry is ours in the cute_mla_fp8 runs (vllm_e2e_cpu.install).
+              attention_backend="CPU_MLA",
               # vLLM's CPU MLA reads a bf16 cache only; ours reads FP8.
               kv_cache_dtype="fp8" if ours else "auto")
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
@@ -30,6 +33,9 @@ def main(checkpoint: str, backend: str) -> None:
     result = {"tokens": [list(o.outputs[0].token_ids) for o in outputs]}
     if ours:
         result["forward_mqa_calls"] = vllm_e2e_cpu.FORWARD_MQA_CALLS[0]
+        result["max_error"] = vllm_e2e_cpu.MAX_ERROR[0]
+        result["allocations"] = vllm_e2e_cpu.ALLOCATIONS[0]
+        result["allocations_at_first_decode"] = vllm_e2e_cpu.ALLOCATIONS_AT_FIRST_DECODE[0]
         result["block_size"] = llm.llm_engine.vllm_config.cache_config.block_size
     print("RESULT " + json.dumps(result))
 

@@ -6,23 +6,51 @@ honours overrides) and restores the page size our kernels use. `CpuEngineBackend
 two pieces a CPU engine needs and a GPU engine gets from vLLM: the prefill (vLLM's CPU MLA prefill: plain
 SDPA over the new tokens) and the write of the FP8 cache (value / k_scale, saturated, as vLLM's CUDA cache
 op does). Decode and its planning are ours: `CuteMLAFP8MetadataBuilder` and `CuteMLAFP8Impl.forward_mqa`,
-which on CPU tensors run `mla_decode`'s reference path.
+which on CPU tensors run `mla_decode`'s split reference path (the plan and the workspace as the kernels use them).
+Every decode call is also checked against `mla_backend.reference.mla_decode_reference` on the same FP8 cache
+(`MAX_ERROR`). vLLM 0.32 has no reserve_workspace call, so the builder
+makes its plans and workspace itself, at start-up; `ALLOCATIONS` counts every plan and workspace made, and the
+count at the first decode (`ALLOCATIONS_AT_FIRST_DECODE`) must be the final one.
 """
 
 from __future__ import annotations
 
 import torch
 
+import mla_backend.api
+import mla_backend.plan
 from mla_backend.integrations.vllm.backend import CuteMLAFP8Backend, CuteMLAFP8Impl, CuteMLAFP8MetadataBuilder
+from mla_backend.reference import mla_decode_reference
 
 PAGE_SIZE = 64
 FORWARD_MQA_CALLS = [0]
 BROKEN = [False]
+ALLOCATIONS = [0]  # SplitPlan.empty and DecodeWorkspace() calls in this process
+ALLOCATIONS_AT_FIRST_DECODE = [None]
+MAX_ERROR = [0.0]  # max |ours - reference| / max |reference| over the decode calls
+
+
+def _count_allocations() -> None:
+    plan_empty = mla_backend.plan.SplitPlan.empty.__func__
+    workspace_init = mla_backend.api.DecodeWorkspace.__init__
+
+    def empty(cls, *args, **kwargs):
+        if kwargs.get("device") != "meta":  # the workspace's size is worked out on meta plans
+            ALLOCATIONS[0] += 1
+        return plan_empty(cls, *args, **kwargs)
+
+    def init(self, *args, **kwargs):
+        ALLOCATIONS[0] += 1
+        workspace_init(self, *args, **kwargs)
+
+    mla_backend.plan.SplitPlan.empty = classmethod(empty)
+    mla_backend.api.DecodeWorkspace.__init__ = init
 
 
 def install(page_size: int = PAGE_SIZE, broken: bool = False) -> None:
     """Call in the engine's process before the engine is created (in-process engine)."""
     BROKEN[0] = broken
+    _count_allocations()
     from vllm.platforms.cpu import CpuPlatform
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
@@ -40,13 +68,22 @@ def _cpu_impl_cls():
     from vllm.v1.attention.backends.mla.cpu_mla import CPUMLAImpl
 
     class CpuEngineImpl(CPUMLAImpl):
-        can_return_lse_for_decode = True
-
         def forward_mqa(self, q, kv_c_and_k_pe_cache, attn_metadata, layer):
             FORWARD_MQA_CALLS[0] += 1
+            if ALLOCATIONS_AT_FIRST_DECODE[0] is None:
+                ALLOCATIONS_AT_FIRST_DECODE[0] = ALLOCATIONS[0]
             if BROKEN[0]:  # the test's control run: a wrong softmax scale must change the tokens
                 self.scale = 2.0
-            return CuteMLAFP8Impl.forward_mqa(self, q, kv_c_and_k_pe_cache, attn_metadata, layer)
+            out, lse = CuteMLAFP8Impl.forward_mqa(self, q, kv_c_and_k_pe_cache, attn_metadata, layer)
+            decode = attn_metadata.decode
+            q = torch.cat(q, dim=-1) if isinstance(q, tuple) else q
+            ref, _ = mla_decode_reference(q.view(-1, decode.q_len, *q.shape[1:]), kv_c_and_k_pe_cache,
+                                          decode.block_table, decode.seq_lens, softmax_scale=self.scale,
+                                          q_scale=layer._q_scale, k_scale=layer._k_scale)
+            ref = ref.reshape(out.shape).float()
+            error = float((out.float() - ref).abs().max() / ref.abs().max().clamp(min=1e-6))
+            MAX_ERROR[0] = max(MAX_ERROR[0], error)
+            return out, lse
 
         def do_kv_cache_update(self, kv_c_normed, k_pe, kv_cache, slot_mapping, kv_cache_dtype, k_scale,
                                skip_scale=False):

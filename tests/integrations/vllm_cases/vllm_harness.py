@@ -61,16 +61,26 @@ def __getattr__(name):  # built on first use: defining them imports vLLM
     raise AttributeError(name)
 
 
-def select_mla_backend(config_kwargs=None, kv_cache_dtype="fp8", block_size=64):
-    """The class vLLM's selector gives a dense MLA layer (head size 576) under a config made of kwargs."""
+def select_mla_backend(config_kwargs=None, kv_cache_dtype="fp8", block_size=64, dtype="bfloat16", model=None,
+                       num_speculative_tokens=0):
+    """The class vLLM's selector gives a dense MLA layer (head size 576) under a config made of kwargs: the
+    attention config, the cache, the model dtype and, with `model` (a config.json folder), n-gram speculative
+    decoding."""
     import torch
-    from vllm.config import AttentionConfig, CacheConfig, VllmConfig, set_current_vllm_config
+    from vllm.config import (AttentionConfig, CacheConfig, ModelConfig, SpeculativeConfig, VllmConfig,
+                             set_current_vllm_config)
     from vllm.v1.attention.selector import get_attn_backend
 
+    engine = {}
+    if model is not None:
+        engine["model_config"] = ModelConfig(model=model, skip_tokenizer_init=True, dtype=dtype, max_model_len=1024)
+    if num_speculative_tokens:
+        engine["speculative_config"] = SpeculativeConfig(method="ngram", num_speculative_tokens=num_speculative_tokens,
+                                                         prompt_lookup_max=3, prompt_lookup_min=1)
     config = VllmConfig(attention_config=AttentionConfig(**(config_kwargs or {})),
-                        cache_config=CacheConfig(block_size=block_size, cache_dtype=kv_cache_dtype))
+                        cache_config=CacheConfig(block_size=block_size, cache_dtype=kv_cache_dtype), **engine)
     with set_current_vllm_config(config):
-        return get_attn_backend(576, torch.bfloat16, kv_cache_dtype, use_mla=True, num_heads=16)
+        return get_attn_backend(576, getattr(torch, dtype), kv_cache_dtype, use_mla=True, num_heads=16)
 
 
 def _class_path(cls) -> str:
