@@ -29,6 +29,7 @@ from cutlass import Float32, Int32
 from mla_backend.hopper.launch import cuda_stream, gmem_ptr
 from mla_backend.hopper.ptx import (fence_operand, fence_proxy_async_smem, wgmma_commit, wgmma_fence, wgmma_rs_e4m3,
                                     wgmma_ss_e4m3, wgmma_wait)
+from mla_backend.jit_cache import compile_kernel
 
 FP8 = cutlass.Float8E4M3FN
 N_VALUES = (16, 24, 32, 48, 64, 96, 128, 256)
@@ -110,7 +111,7 @@ def compile_wgmma_throughput(n: int, rs: bool, warpgroups: int, ksteps: int = 16
                              arch: str = "sm_90a"):
     """Compile (no GPU needed) and return the launcher: fn(out_ptr, iters, num_ctas, stream)."""
     op = WgmmaThroughput(n, rs, warpgroups, ksteps, fill)
-    return cute.compile(op, gmem_ptr(Float32, 4), Int32(1), Int32(1), cuda_stream(), options=f"--gpu-arch {arch}")
+    return compile_kernel(op, (gmem_ptr(Float32, 4), Int32(1), Int32(1), cuda_stream()), arch)
 
 
 def main(argv=None) -> int:

@@ -93,13 +93,18 @@ def compiled(config, make: Callable[[], Tuple[object, tuple]]):
 
 
 def _compile(config, kernel, args):
+    return compile_kernel(kernel, args, config.arch)
+
+
+def compile_kernel(kernel, args, arch: str):
+    """cute.compile for `arch`, without the DSL's note on long unrolled loops (also for benchmarks' own kernels)."""
     import cutlass.cute as cute
 
     with warnings.catch_warnings():
         # CuTe DSL notes that a fully unrolled loop of many iterations compiles slowly; the kernels unroll theirs on
         # purpose (a register array indexed at run time would go to local memory), so the note says nothing new
         warnings.filterwarnings("ignore", message="This static loop has")
-        return cute.compile(kernel, *args, options=f"--gpu-arch {config.arch}")
+        return cute.compile(kernel, *args, options=f"--gpu-arch {arch}")
 
 
 def _load(config):
