@@ -224,3 +224,6 @@ def main(argv=None) -> int:
     except (ValueError, TypeError) as err:  # a bad value that parsed: one line, no traceback
         print(f"python -m mla_backend {command}: error: {err}".replace(" : ", ": "), file=sys.stderr)
         return 2
+    except BrokenPipeError:  # the reader went away (`... | head`): nothing more to say
+        sys.stderr.close()
+        return 0
