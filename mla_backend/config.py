@@ -80,6 +80,12 @@ DECODE_ARCHS = ("sm_90a",)
 # Research switches of the decode kernel (benchmarks/ablate_decode.py): parts of each chunk's work left out, so
 # that timing the rest says what they cost. The outputs are then wrong.
 DECODE_PARTS = ("load", "s", "store_s", "softmax", "rescale", "pv")
+# How the S^T-warpgroup schedule brings the KV chunks into shared memory: 16-byte cp.async by its 128 threads, or
+# TMA boxes issued by one thread and completed on per-stage mbarriers (`hopper/decode_swg_tma.py`).
+KV_LOADS = ("cp_async", "tma")
+# Where that TMA schedule waits S_FREE(j - 1) and issues chunk j + NS - 1: after S^T(j) is stored and S_FULL(j)
+# arrived, or while S^T(j) runs (`decode_swg_tma.py`).
+KV_REFILLS = ("after_store", "under_s")
 TIMELINE_CHUNKS = 40  # chunks stamped per CTA by a timeline build (benchmarks/timeline_decode.py)
 
 
@@ -88,7 +94,9 @@ class DecodeConfig:
     """Everything the SM90 decode kernel is compiled for.
 
     rows_per_block 16 runs the ping-pong schedule (`hopper/decode_rows16.py`), 32, 48 and 64 the S^T-warpgroup
-    schedule (`hopper/decode_swg.py`). `skip` and `timeline` are research builds (benchmarks/): `skip` leaves
+    schedule, its KV by TMA (`hopper/decode_swg_tma.py`, the default) or by cp.async (`kv_loads="cp_async"`,
+    `hopper/decode_swg.py`); `kv_refill` orders the TMA schedule's refills. `skip` and `timeline` are research
+    builds (benchmarks/): `skip` leaves
     parts of the work out, `timeline` stores SM clock stamps of chunks [timeline, timeline + TIMELINE_CHUNKS) of
     each stamped CTA into the workspace's last slot."""
 
@@ -105,6 +113,8 @@ class DecodeConfig:
     p_scale: float = P_SCALE
     skip: FrozenSet[str] = field(default_factory=frozenset)
     timeline: Optional[int] = None
+    kv_loads: str = "cp_async"
+    kv_refill: str = "after_store"
 
     def __post_init__(self):
         if self.page_size <= 0 or self.page_size & (self.page_size - 1):
@@ -125,6 +135,12 @@ class DecodeConfig:
             raise ValueError(f"arch must be one of {DECODE_ARCHS}, got {self.arch!r}")
         if self.timeline is not None and (self.rows_per_block == 16 or self.timeline < 0):
             raise ValueError("timeline builds stamp the S^T-warpgroup schedule (32-64 rows) from a chunk >= 0")
+        if self.kv_loads not in KV_LOADS:
+            raise ValueError(f"kv_loads must be one of {KV_LOADS}, got {self.kv_loads!r}")
+        if self.kv_loads == "tma" and self.rows_per_block == 16:
+            raise ValueError("kv_loads='tma' is a load path of the S^T-warpgroup schedule (32-64 rows)")
+        if self.kv_refill not in KV_REFILLS:
+            raise ValueError(f"kv_refill must be one of {KV_REFILLS}, got {self.kv_refill!r}")
         unknown = set(self.skip) - set(DECODE_PARTS)
         if unknown:
             raise ValueError(f"skip names unknown parts {sorted(unknown)}; known: {', '.join(DECODE_PARTS)}")
@@ -132,7 +148,9 @@ class DecodeConfig:
 
     @property
     def schedule(self) -> str:
-        return "rows16" if self.rows_per_block == 16 else "swg"
+        if self.rows_per_block == 16:
+            return "rows16"
+        return "swg_tma" if self.kv_loads == "tma" else "swg"
 
     @property
     def num_rows(self) -> int:
@@ -145,6 +163,14 @@ class DecodeConfig:
     def runs(self, part: str) -> bool:
         """Whether the kernel does this part of its work (False only in ablation builds)."""
         return part not in self.skip
+
+
+def default_kv_loads(rows_per_block: int) -> str:
+    """TMA for the S^T-warpgroup schedule (32-64 rows), cp.async for the 16-row ping-pong. H200, decode alone, one
+    process, cp.async -> TMA (minimum of 4 rounds, outputs identical): H128 q1 page 64 128K x B4 228.2 -> 221.4
+    us, H12 q8 1M x B1 393.8 -> 363.2, q8 128K x B4 200.2 -> 185.6, H16 q2 1M x B2 356.2 -> 323.4, H16 q4 page 64
+    1M x B2 446.7 -> 432.8, H64 page 64 1M x B2 497.5 -> 483.1."""
+    return "cp_async" if rows_per_block == 16 else "tma"
 
 
 def default_num_stages(rows_per_block: int) -> int:
@@ -165,6 +191,7 @@ def decode_config(num_heads: int, q_len: int, page_size: int, *, tile_tokens: in
     """The decode configuration the runtime uses for a shape; keyword overrides are for tests and benchmarks."""
     env = env or environment()
     rows = default_rows_per_block(num_heads, q_len) if rows_per_block is None else rows_per_block
+    research.setdefault("kv_loads", default_kv_loads(rows))
     if p_planes is None:
         p_planes = p_planes_for(env.p_precision if p_precision is None else p_precision, rows)
     return DecodeConfig(num_heads=num_heads, q_len=q_len, page_size=page_size, tile_tokens=tile_tokens,

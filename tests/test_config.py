@@ -104,3 +104,23 @@ def test_a_shape_lists_every_kernel_the_runtime_can_launch():
     assert any(c.heavy_slots >= 0 for c in combines)  # many requests: warp mode
     with pytest.raises(ValueError, match="num_heads must be in 8..128"):
         decode_shape_configs(4, 1, 32, max_batch=8, num_sms=132, num_ctas=132, segment_overhead=4)
+
+
+def test_kv_loads_by_schedule_and_checked():
+    """The S^T-warpgroup schedule loads the KV by TMA unless asked for cp.async; the 16-row ping-pong has only
+    cp.async; unknown load paths and refill orders are errors naming the field."""
+    import pytest
+
+    from mla_backend.config import decode_config
+
+    assert (decode_config(12, 1, 32).kv_loads, decode_config(12, 1, 32).schedule) == ("cp_async", "rows16")
+    for heads, q_len in ((16, 2), (12, 8), (128, 1)):
+        cfg = decode_config(heads, q_len, 64)
+        assert (cfg.kv_loads, cfg.kv_refill, cfg.schedule) == ("tma", "after_store", "swg_tma")
+        assert decode_config(heads, q_len, 64, kv_loads="cp_async").schedule == "swg"
+    with pytest.raises(ValueError, match="kv_loads='tma' is a load path of the S"):
+        decode_config(12, 1, 32, kv_loads="tma")
+    with pytest.raises(ValueError, match="kv_loads must be one of"):
+        decode_config(12, 8, 32, kv_loads="bulk")
+    with pytest.raises(ValueError, match="kv_refill must be one of"):
+        decode_config(12, 8, 32, kv_refill="early")

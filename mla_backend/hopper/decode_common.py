@@ -133,6 +133,8 @@ class MLADecodeSM90(PagedKVLoads, OnlineSoftmax, DecodeMMA, DecodeEpilogue):
             alpha: cute.struct.Align[cute.struct.MemRange[Float32, 2 * ROWS], 16]
             inv_l: cute.struct.Align[cute.struct.MemRange[Float32, ROWS], 16]
             row_ml: cute.struct.Align[cute.struct.MemRange[Float32, 2 * 2 * ROWS], 16]
+            # one "chunk landed" mbarrier per ring stage (TMA loads only)
+            kv_full: cute.struct.Align[cute.struct.MemRange[Int64, NS], 8]
 
         atom_cp_async = cute.make_copy_atom(
             cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), FP8, num_bits_per_copy=128)
@@ -142,10 +144,13 @@ class MLADecodeSM90(PagedKVLoads, OnlineSoftmax, DecodeMMA, DecodeEpilogue):
             raise ValueError(f"{smem_bytes} B of shared memory do not fit an SM90 CTA ({SM90_SMEM_CAPACITY} B): "
                              f"lower num_stages or rows_per_block")
         scale_log2 = softmax_scale * LOG2E
+        tma_atom, tma_kv = None, None
+        if cutlass.const_expr(self.cfg.kv_loads == "tma"):
+            tma_atom, tma_kv = self._make_kv_tma(p_kv, num_pages, page_stride)
         self.kernel(
             mQ, mKV, mBT, mSeq, mQScale, mKScale,
             mCtaTileStart, mCtaFirstReq, mReqTileStart, mReqFirstCta, mNumSplits, mSplitOffset,
-            mOut, mLse, mPOut, mPLse, scale_log2, atom_cp_async, SharedStorage,
+            mOut, mLse, mPOut, mPLse, scale_log2, atom_cp_async, tma_atom, tma_kv, SharedStorage,
         ).launch(
             grid=(self.cfg.num_row_blocks, num_ctas, 1),
             block=(self.num_threads, 1, 1),
@@ -175,6 +180,8 @@ class MLADecodeSM90(PagedKVLoads, OnlineSoftmax, DecodeMMA, DecodeEpilogue):
         mPLse: cute.Tensor,
         scale_log2_base: Float32,
         atom_cp_async: cute.CopyAtom,
+        tma_atom,
+        tma_kv,
         SharedStorage: cutlass.Constexpr,
     ):
         pdl_prologue(self.cfg.pdl)
@@ -204,6 +211,7 @@ class MLADecodeSM90(PagedKVLoads, OnlineSoftmax, DecodeMMA, DecodeEpilogue):
             mQ=mQ, mKV=mKV, mBT=mBT, mSeq=mSeq, mCtaTileStart=mCtaTileStart, mCtaFirstReq=mCtaFirstReq,
             mReqTileStart=mReqTileStart, mReqFirstCta=mReqFirstCta, mNumSplits=mNumSplits, mSplitOffset=mSplitOffset,
             mOut=mOut, mLse=mLse, mPOut=mPOut, mPLse=mPLse, atom_cp_async=atom_cp_async,
+            tma_atom=tma_atom, tma_kv=tma_kv,
             tidx=tidx, cta=cta, row0=row0, lane=lane, lg=lane // 4, lt=lane % 4, wg=warp_idx // 4,
             wl=warp_idx % 4, k_scale=k_scale, scale_log2=scale_log2, storage=storage,
             sRing=storage.ring.get_tensor(ring_layout(self.cfg.num_stages)),

@@ -1,10 +1,20 @@
-"""Paged KV (and Q) into shared memory for the SM90 decode kernels: block-table lookups and 16-byte cp.async copies.
+"""Paged KV (and Q) into shared memory for the SM90 decode kernels: block-table lookups, 16-byte cp.async copies
+and TMA boxes.
 
-KV is gathered through the block table with 16-byte cp.async into a ring of chunks of 64 tokens, in the K-major
-128B-swizzled layout wgmma reads (`decode_layout`). Thread t of a 256-thread group copies token t / 4, pieces
-t % 4 + 4i. Tokens past the segment end are zero-filled in shared memory (never loaded), so the block table is
-never read past ceil(L_b / page_size); whatever the metadata (unchecked inside CUDA graphs), page indices are
-clamped to the table's width and entries outside the cache zero-fill instead of loading.
+KV is gathered through the block table into a ring of chunks of 64 tokens, in the K-major 128B-swizzled layout
+wgmma reads (`decode_layout`), by one of two paths:
+
+- 16-byte cp.async: thread t of a 256-thread group copies token t / 4, pieces t % 4 + 4i. Tokens past the segment
+  end are zero-filled in shared memory (never loaded).
+- TMA (`decode_swg_tma.py`): one thread issues, per half chunk of 32 tokens (which never crosses a page), five
+  boxes of 128 bytes x 32 tokens of the cache viewed as (576 bytes, page_size tokens, pages); the fifth box starts
+  at the rope (byte 512) and its last 64 bytes lie past the row, which the TMA unit fills with zeros, as it fills
+  every box whose page is not a page of the cache (-1 past the segment end, or a bad entry). The box's bytes land
+  in the same swizzled layout the cp.async path writes. Tokens of a loaded page past the segment end are zeroed
+  by the threads after the chunk lands (`_zero_tail_tokens`), so their bytes never reach P.V.
+
+Either way the block table is never read past ceil(L_b / page_size), and whatever the metadata (unchecked inside
+CUDA graphs), page indices are clamped to the table's width and entries outside the cache are never read.
 """
 
 from __future__ import annotations
@@ -13,8 +23,16 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
 
-from .decode_layout import CHUNK, KV_BLOCKS, PIECES
+from cutlass import Int64
+from cutlass.cute.nvgpu import cpasync
+
+from ..shapes import KV_DIM
+from .decode_layout import CHUNK, KV_BLOCKS, PIECES, swizzle128
 from .ptx import cp_async_16_l2_128
+
+HALF = CHUNK // 2  # tokens per TMA box: a half chunk, which never crosses a page (pages of 32 or 64)
+TMA_BOX_BYTES = 128 * HALF
+TMA_CHUNK_BYTES = 2 * KV_BLOCKS * TMA_BOX_BYTES  # what one chunk's boxes write (their zero fill included)
 
 
 class PagedKVLoads:
@@ -94,3 +112,55 @@ class PagedKVLoads:
         else:
             for k in cutlass.range_constexpr(PIECES // 4):
                 cute.autovec_copy(zero16, sQ8[None, tidx % 4 + 4 * k, qrow])
+
+    # ----------------------------------------------------------------------------------------------- TMA path
+    @cute.jit
+    def _make_kv_tma(self, p_kv: cute.Pointer, num_pages: Int32, page_stride: Int64):
+        """(host side) The TMA atom and coordinate tensor of the cache viewed as (576 bytes, page_size tokens,
+        pages), for boxes of 128 bytes x HALF tokens in the ring's 128B swizzle."""
+        mKV3 = cute.make_tensor(p_kv, cute.make_layout((KV_DIM, self.cfg.page_size, num_pages),
+                                                       stride=(1, KV_DIM, page_stride)))
+        box = cute.make_composed_layout(swizzle128(), 0, cute.make_layout((128, HALF), stride=(1, 128)))
+        return cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mKV3, box, (128, HALF))
+
+    @cute.jit
+    def _kv_tma_partitions(self, tma_atom: cute.CopyAtom, tma_kv: cute.Tensor, ring_ptr: cute.Pointer):
+        """(box, block, half, page) of the cache and (box, (block, half, stage)) of the ring, for `cute.copy`."""
+        C = CHUNK
+        ring_boxes = cute.make_tensor(ring_ptr, cute.make_composed_layout(swizzle128(), 0, cute.make_layout(
+            ((128, HALF), (KV_BLOCKS, 2, self.cfg.num_stages)),
+            stride=((1, 128), (C * 128, HALF * 128, C * 128 * KV_BLOCKS)))))
+        g_boxes = cute.local_tile(tma_kv, (128, HALF), (None, None, None))
+        t_ring, t_cache = cpasync.tma_partition(tma_atom, 0, cute.make_layout(1), cute.group_modes(ring_boxes, 0, 1),
+                                                cute.group_modes(g_boxes, 0, 2))
+        return t_cache, t_ring
+
+    @cute.jit
+    def _issue_chunk_tma(self, tma_atom: cute.CopyAtom, t_cache: cute.Tensor, t_ring: cute.Tensor, bar: cute.Pointer,
+                         page_a: Int32, page_b: Int32, tok0: Int32, stage: Int32):
+        """(one whole warp: CuTe's TMA copy elects one of its lanes) The chunk [tok0, tok0 + C) into ring stage
+        `stage`: its halves on page_a and page_b (-1 past the segment end: zero-filled), completing on the stage's
+        mbarrier `bar`, whose one arrival (with the chunk's bytes) lane 0 makes first. (A research build without
+        loads only arrives on it.)"""
+        P = self.cfg.page_size
+        lane = cute.arch.lane_idx()
+        if cutlass.const_expr(not self.cfg.runs("load")):
+            if lane == 0:
+                cute.arch.mbarrier_arrive(bar)
+        else:
+            if lane == 0:
+                cute.arch.mbarrier_arrive_and_expect_tx(bar, TMA_CHUNK_BYTES)
+            for h in cutlass.range_constexpr(2):
+                page = page_a if h == 0 else page_b
+                y = ((tok0 + h * HALF) % P) // HALF
+                for kb in cutlass.range_constexpr(KV_BLOCKS):
+                    cute.copy(tma_atom, t_cache[None, kb, y, page], t_ring[None, (kb, h, stage)], tma_bar_ptr=bar)
+
+    @cute.jit
+    def _zero_tail_tokens(self, sRing: cute.Tensor, zero16: cute.Tensor, n0: Int32, stage: Int32, tidx: Int32,
+                          nthreads: cutlass.Constexpr):
+        """Zeros over tokens [n0, C) of ring stage `stage` (a chunk that ends inside a loaded page), by `nthreads`
+        threads: 16-byte pieces of all KV_BLOCKS blocks. The caller fences them for the async proxy."""
+        npieces = 8 * KV_BLOCKS
+        for i in range(tidx, (CHUNK - n0) * npieces, nthreads):
+            cute.autovec_copy(zero16, sRing[None, i % npieces, n0 + i // npieces, stage])

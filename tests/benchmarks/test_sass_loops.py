@@ -44,7 +44,7 @@ def test_the_command_line_overrides_are_decode_config_overrides():
 
 def test_a_variant_is_compiled_to_ptx_in_a_subprocess(tmp_path):
     """The subprocess compiles the configuration with the overrides (here: 12 rows in a 32-row block, the S^T
-    warpgroup schedule instead of the 16-row ping-pong) from this process's mla_backend."""
+    warpgroup schedule, its KV by TMA, instead of the 16-row ping-pong) from this process's mla_backend."""
     ptx = sass_loops.compile_ptx(12, 1, 32, {"rows_per_block": 32, "skip": frozenset({"pv"})}, str(tmp_path))
     entries = re.findall(r"\.entry (\w+)\(", open(ptx).read())
-    assert len(entries) == 1 and "MLADecodeSwgSM90" in entries[0]
+    assert len(entries) == 1 and "MLADecodeSwgTmaSM90" in entries[0]

@@ -53,8 +53,8 @@ def test_configurations_pick_the_schedule_stages_and_rows():
     from mla_backend.config import decode_config
     from mla_backend.hopper.decode import decode_kernel
 
-    expected = {(12, 1): (16, 4, "rows16", 1), (16, 2): (32, 4, "swg", 1), (12, 4): (48, 3, "swg", 1),
-                (12, 8): (48, 3, "swg", 2), (128, 1): (64, 3, "swg", 2), (16, 4): (64, 3, "swg", 1)}
+    expected = {(12, 1): (16, 4, "rows16", 1), (16, 2): (32, 4, "swg_tma", 1), (12, 4): (48, 3, "swg_tma", 1),
+                (12, 8): (48, 3, "swg_tma", 2), (128, 1): (64, 3, "swg_tma", 2), (16, 4): (64, 3, "swg_tma", 1)}
     for (h, q), (rows, stages, schedule, blocks) in expected.items():
         cfg = decode_config(h, q, 32)
         assert (cfg.rows_per_block, cfg.num_stages, cfg.schedule, cfg.num_row_blocks) == (rows, stages, schedule,
@@ -213,6 +213,14 @@ GPU_CASES = [
     (128, 1, 64, 64, True, [1, 700, 3000, 64], 8, ROWS_64),  # 128 rows: two 64-row blocks
     (16, 4, 32, 64, True, [4, 5, 64, 1500, 77], 9, ROWS_64),  # 64 rows in one block
     (12, 8, 32, 64, True, [8, 9, 100, 1000, 4000, 65], 9, ROWS_64),  # 96 rows: 64, then 32 and 32 padding
+    # the S^T-warpgroup schedule with the KV by cp.async (decode_swg; the cases above load it by TMA)
+    (128, 1, 64, 64, True, [1, 700, 3000, 64], 8, {**ROWS_64, "kv_loads": "cp_async"}),
+    (16, 4, 64, 32, True, [4, 5, 64, 1500, 77], 9, {**ROWS_64, "kv_loads": "cp_async"}),
+    (12, 8, 32, 64, True, [8, 9, 100, 1000, 4000, 65], 9, {**ROWS_48, "kv_loads": "cp_async"}),
+    (16, 2, 64, 64, True, [2, 63, 64, 65, 129, 3000, 17, 900], 12, {**ROWS_32, "kv_loads": "cp_async"}),
+    # TMA refills issued under S^T (kv_refill): tiles of 32, so chunks that cross pages
+    (16, 4, 64, 32, True, [4, 5, 64, 1500, 77], 9, {**ROWS_64, "kv_refill": "under_s"}),
+    (12, 8, 32, 64, True, [8, 9, 100, 1000, 4000, 65], 9, {**ROWS_48, "kv_refill": "under_s"}),
 ]
 
 

@@ -1,0 +1,133 @@
+"""The S^T-warpgroup schedule (`decode_swg.py`) with the KV chunks loaded by TMA: 32-, 48- and 64-row blocks.
+
+The softmax / P.V warpgroups are those of `decode_swg.py`; only the S^T warpgroup differs. With cp.async its 128
+threads issue 18 copies each per chunk (~900 cycles while the S^T wgmmas hold the shared-memory pipe), and at 64
+rows those copies sit on the chunk's critical cycle: S_FREE(j - 1) -> copies of chunk j + NS - 1 -> S^T(j) stored
+-> S_FULL(j) -> softmax(j) -> V^T(j) -> S_FREE(j) (timeline, H128: 1810 cycles from the S^T issue to the end of
+the copies, of a ~3300-cycle chunk). Here warp 0 of the warpgroup issues the chunk's ten TMA boxes
+(`paged_kv._issue_chunk_tma`) and the chunk's landing is a per-stage mbarrier (`kv_full`, expect-tx bytes), so
+per chunk j the warpgroup: waits for chunk j's mbarrier (and, on a segment's first chunk, its own cp.async of Q),
+zeroes the tokens of a segment's last chunk past its end, issues S^T(j), sums the two chains, stores S^T(j),
+arrives S_FULL(j), then waits S_FREE(j - 1) and issues the boxes of chunk j + NS - 1 into the stage chunk j - 1
+held (`kv_refill="after_store"`, the default; `"under_s"` waits and issues right after S^T(j) is issued). The
+mbarrier phases follow each stage's uses across segments (`phases`, one bit per stage).
+
+H200, decode alone, one process, cp.async -> TMA, outputs identical: H128 q1 page 64 128K x B4 228.2 -> 221.4 us,
+H12 q8 1M x B1 393.8 -> 363.2, H16 q2 1M x B2 356.2 -> 323.4 (`config.default_kv_loads`).
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+
+from .barriers import LOAD_BAR, S_FREE, S_FULL
+from .decode_common import CTAContext
+from .decode_layout import CHUNK, SOFTMAX_THREADS, WARPGROUP
+from .decode_swg import MLADecodeSwgSM90, sw_register_budgets
+from .paged_kv import HALF
+from .ptx import fence_proxy_async_smem
+
+
+class MLADecodeSwgTmaSM90(MLADecodeSwgSM90):
+
+    @cute.jit
+    def _s_warpgroup(self, cta: CTAContext, sS: cute.Tensor, g: Int32, g_end: Int32, b: Int32):
+        cute.arch.setmaxregister_decrease(sw_register_budgets(self.rows)[1])
+        ROWS = self.rows
+        NA = ROWS // 2
+        C = CHUNK
+        NS = self.cfg.num_stages
+        NT = self.num_threads
+        mBT, atom, zero16 = cta.mBT, cta.atom_cp_async, cta.zero16
+        tw = cta.tidx - SOFTMAX_THREADS
+        lead = tw == 0
+        # CuTe's TMA copy elects one lane of the warp that reaches it (elect.sync over all 32): warp 0 issues the
+        # boxes, lane 0 the expect-tx arrive before them
+        issuer = tw < 32
+        bars = cta.storage.kv_full.data_ptr()
+        t_cache, t_ring = self._kv_tma_partitions(cta.tma_atom, cta.tma_kv, cta.storage.ring.data_ptr())
+        if lead:
+            for st in cutlass.range_constexpr(NS):
+                cute.arch.mbarrier_init(bars + st, 1)
+            cute.arch.mbarrier_init_fence()
+        cute.arch.barrier(barrier_id=LOAD_BAR, number_of_threads=WARPGROUP)  # the mbarriers are initialised
+        phases = Int32(0)  # bit s: the parity of stage s's next completion
+        acc_S = cute.make_rmem_tensor(cute.make_layout((NA,)), Float32)
+        acc_S2 = cute.make_rmem_tensor(cute.make_layout((NA,)), Float32)
+        while g < g_end:
+            b, seg_end, seq_len, tok_begin, tok_end, n_chunks = self._segment(cta.mReqTileStart, cta.mSeq, b, g,
+                                                                              g_end, cta.t_last)
+            # Q by cp.async (thread tw: rows tw / 4 + 32 i, pieces tw % 4 + 4 k), padding rows zeroed
+            for i in cutlass.range_constexpr(ROWS // 32):
+                self._load_q_rows(cta.mQ, atom, cta.sQ8, zero16, cta.row0, tw // 4 + 32 * i, tw, b)
+            if cutlass.const_expr(ROWS % 32 != 0):
+                qrow = tw // 4 + 32 * (ROWS // 32)
+                if qrow < ROWS:
+                    self._load_q_rows(cta.mQ, atom, cta.sQ8, zero16, cta.row0, qrow, tw, b)
+            cute.arch.cp_async_commit_group()
+            # chunks 0 .. NS - 2 (the ring is free: the previous segment ended with every stage read)
+            if issuer:
+                for st in cutlass.range_constexpr(NS - 1):
+                    if st < n_chunks:
+                        tok0 = tok_begin + st * C
+                        self._issue_chunk_tma(cta.tma_atom, t_cache, t_ring, bars + st,
+                                              self._lookup_page(mBT, b, tok0, tok_end, 0),
+                                              self._lookup_page(mBT, b, tok0 + HALF, tok_end, 0), tok0, st)
+            # the pages of the next chunk to load and of the one after, read two iterations ahead of their boxes
+            next_a = self._lookup_page(mBT, b, tok_begin + (NS - 1) * C, tok_end, 0)
+            next_b = self._lookup_page(mBT, b, tok_begin + (NS - 1) * C + HALF, tok_end, 0)
+            after_a = self._lookup_page(mBT, b, tok_begin + NS * C, tok_end, 0)
+            after_b = self._lookup_page(mBT, b, tok_begin + NS * C + HALF, tok_end, 0)
+
+            for j in range(n_chunks):
+                stage = j % NS
+                cute.arch.mbarrier_wait(bars + stage, (phases >> stage) & 1)
+                phases = phases ^ (1 << stage)
+                n_valid = tok_end - (tok_begin + j * C)
+                if j == 0 or n_valid < C:
+                    # Q (this thread's cp.async) landed; the tail of a segment's last chunk zeroed; both made
+                    # visible to the whole warpgroup and to the wgmmas (the async proxy)
+                    cute.arch.cp_async_wait_group(0)
+                    if n_valid < C:
+                        self._zero_tail_tokens(cta.sRing, zero16, n_valid, stage, tw, WARPGROUP)
+                    fence_proxy_async_smem()
+                    cute.arch.barrier(barrier_id=LOAD_BAR, number_of_threads=WARPGROUP)
+                self._stamp(cta, lead, j, 0)  # "chunk landed"
+                self._issue_s_chains(acc_S, acc_S2, cta.ring_addr, cta.q_addr, stage)
+                if cutlass.const_expr(self.cfg.kv_refill == "under_s"):
+                    self._refill(cta, t_cache, t_ring, bars, next_a, next_b, tok_begin, j, n_chunks, issuer, lead)
+                self._sum_s_chains(acc_S, acc_S2)
+                self._stamp(cta, lead, j, 1)  # "S^T done"
+                # buffer j % 2 last held S^T(j - 2), released (S_FREE) before this warpgroup issued chunk j + 1
+                self._store_s(acc_S, sS[None, None, None, j % 2], 0, cta.wl, cta.lg, cta.lt)
+                cute.arch.barrier_arrive(barrier_id=S_FULL + j % 2, number_of_threads=NT)
+                self._stamp(cta, lead, j, 2)  # "S^T stored"
+                if cutlass.const_expr(self.cfg.kv_refill == "after_store"):
+                    self._refill(cta, t_cache, t_ring, bars, next_a, next_b, tok_begin, j, n_chunks, issuer, lead)
+                next_a = after_a
+                next_b = after_b
+                after_a = self._lookup_page(mBT, b, tok_begin + (j + NS + 1) * C, tok_end, 0)
+                after_b = self._lookup_page(mBT, b, tok_begin + (j + NS + 1) * C + HALF, tok_end, 0)
+            if n_chunks > 0:
+                cute.arch.barrier(barrier_id=S_FREE + (n_chunks - 1) % 2, number_of_threads=NT)
+            cute.arch.cp_async_wait_group(0)  # a segment without chunks still loaded Q
+            cute.arch.barrier()  # segment end: sQ and the ring are free, sInvL written
+            cute.arch.barrier()  # the outputs are written
+            g = seg_end
+            b = b + 1
+
+    @cute.jit
+    def _refill(self, cta: CTAContext, t_cache: cute.Tensor, t_ring: cute.Tensor, bars: cute.Pointer,
+                page_a: Int32, page_b: Int32, tok_begin: Int32, j: Int32, n_chunks: Int32, issuer, lead):
+        """Iteration j: chunk j + NS - 1 (its halves on page_a and page_b) into the stage chunk j - 1 held, once
+        S_FREE(j - 1) says that chunk's S^T and V^T registers are read."""
+        NS = self.cfg.num_stages
+        if j >= 1:
+            cute.arch.barrier(barrier_id=S_FREE + (j - 1) % 2, number_of_threads=self.num_threads)
+        self._stamp(cta, lead, j, 3)  # "S_FREE passed"
+        if issuer and j + NS - 1 < n_chunks:
+            self._issue_chunk_tma(cta.tma_atom, t_cache, t_ring, bars + (j + NS - 1) % NS, page_a, page_b,
+                                  tok_begin + (j + NS - 1) * CHUNK, (j + NS - 1) % NS)
+        self._stamp(cta, lead, j, 4)  # "boxes issued"
