@@ -85,13 +85,8 @@ class MLADecodeSwgSM90(MLADecodeSM90):
         while g < g_end:
             b, seg_end, seq_len, tok_begin, tok_end, n_chunks = self._segment(cta.mReqTileStart, cta.mSeq, b, g,
                                                                               g_end, cta.t_last)
-            # Q (thread tw: rows tw / 4 + 32 i, pieces tw % 4 + 4 k), padding rows zeroed, and chunks 0 .. NS - 2
-            for i in cutlass.range_constexpr(ROWS // 32):
-                self._load_q_rows(cta.mQ, atom, cta.sQ8, zero16, cta.row0, tw // 4 + 32 * i, tw, b)
-            if cutlass.const_expr(ROWS % 32 != 0):
-                qrow = tw // 4 + 32 * (ROWS // 32)
-                if qrow < ROWS:
-                    self._load_q_rows(cta.mQ, atom, cta.sQ8, zero16, cta.row0, qrow, tw, b)
+            # Q and chunks 0 .. NS - 2
+            self._load_q_block(cta, tw, b)
             for st in cutlass.range_constexpr(NS - 1):
                 if st < n_chunks:
                     self._load_chunk_wg(mBT, mKV, atom, sRing, zero16, b, tok_begin + st * C, tok_end, st, tw)
@@ -142,6 +137,18 @@ class MLADecodeSwgSM90(MLADecodeSM90):
             cute.arch.barrier()  # the outputs are written
             g = seg_end
             b = b + 1
+
+    @cute.jit
+    def _load_q_block(self, cta: CTAContext, tw: Int32, b: Int32):
+        """The S^T warpgroup's cp.async of the block's Q rows of request b (thread tw: rows tw / 4 + 32 i, pieces
+        tw % 4 + 4 k), padding rows zeroed; the caller commits them."""
+        ROWS = self.rows
+        for i in cutlass.range_constexpr(ROWS // 32):
+            self._load_q_rows(cta.mQ, cta.atom_cp_async, cta.sQ8, cta.zero16, cta.row0, tw // 4 + 32 * i, tw, b)
+        if cutlass.const_expr(ROWS % 32 != 0):
+            qrow = tw // 4 + 32 * (ROWS // 32)
+            if qrow < ROWS:
+                self._load_q_rows(cta.mQ, cta.atom_cp_async, cta.sQ8, cta.zero16, cta.row0, qrow, tw, b)
 
     @cute.jit
     def _copy_next_chunk(self, cta: CTAContext, page_a: Int32, page_b: Int32, tok_begin: Int32, j: Int32,

@@ -31,6 +31,7 @@ from .ptx import fence_proxy_async_smem
 
 
 class MLADecodeSwgTmaSM90(MLADecodeSwgSM90):
+    """`MLADecodeSwgSM90` with the S^T warpgroup's loads by TMA (module docstring)."""
 
     @cute.jit
     def _s_warpgroup(self, cta: CTAContext, sS: cute.Tensor, g: Int32, g_end: Int32, b: Int32):
@@ -40,7 +41,7 @@ class MLADecodeSwgTmaSM90(MLADecodeSwgSM90):
         C = CHUNK
         NS = self.cfg.num_stages
         NT = self.num_threads
-        mBT, atom, zero16 = cta.mBT, cta.atom_cp_async, cta.zero16
+        mBT, zero16 = cta.mBT, cta.zero16
         tw = cta.tidx - SOFTMAX_THREADS
         lead = tw == 0
         # CuTe's TMA copy elects one lane of the warp that reaches it (elect.sync over all 32): warp 0 issues the
@@ -59,13 +60,7 @@ class MLADecodeSwgTmaSM90(MLADecodeSwgSM90):
         while g < g_end:
             b, seg_end, seq_len, tok_begin, tok_end, n_chunks = self._segment(cta.mReqTileStart, cta.mSeq, b, g,
                                                                               g_end, cta.t_last)
-            # Q by cp.async (thread tw: rows tw / 4 + 32 i, pieces tw % 4 + 4 k), padding rows zeroed
-            for i in cutlass.range_constexpr(ROWS // 32):
-                self._load_q_rows(cta.mQ, atom, cta.sQ8, zero16, cta.row0, tw // 4 + 32 * i, tw, b)
-            if cutlass.const_expr(ROWS % 32 != 0):
-                qrow = tw // 4 + 32 * (ROWS // 32)
-                if qrow < ROWS:
-                    self._load_q_rows(cta.mQ, atom, cta.sQ8, zero16, cta.row0, qrow, tw, b)
+            self._load_q_block(cta, tw, b)  # by cp.async
             cute.arch.cp_async_commit_group()
             # chunks 0 .. NS - 2 (the ring is free: the previous segment ended with every stage read)
             if issuer:
