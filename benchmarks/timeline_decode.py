@@ -39,7 +39,9 @@ from mla_backend.hopper.decode_common import TIMELINE_CTAS, TIMELINE_SLOTS  # no
 PROG = "timeline_decode.py"
 # the events of the stamp slots of a chunk (the kernel's `_stamp` calls): the S^T warpgroup's at slots 0-4,
 # softmax warpgroup wg's at 8 + 8 wg + k
-S_EVENTS = ["chunk landed", "S^T done", "S^T stored", "S_FREE wait begins", "copies issued"]
+# (by schedule: the TMA one stamps slot 3 once S_FREE is passed, and its loads are boxes)
+S_EVENTS = {"swg": ["chunk landed", "S^T done", "S^T stored", "S_FREE wait begins", "copies issued"],
+            "swg_tma": ["chunk landed", "S^T done", "S^T stored", "S_FREE passed", "boxes issued"]}
 P_EVENTS = ["S_FULL passed", "softmax done", "P.V(ci-1) done", "V^T loaded", "P barrier passed", "O^T rescaled",
             "P.V issued"]
 
@@ -118,7 +120,7 @@ def run_case(case, cfg, reps: int, cta: int, row_block: int) -> None:
         run()
         torch.cuda.synchronize()
         stamps = read_stamps(p_out[slots:], row_block, cta)
-        parts = [("S^T wg", phase_medians(stamps, 0, S_EVENTS))]
+        parts = [("S^T wg", phase_medians(stamps, 0, S_EVENTS[cfg.schedule]))]
         parts += [(f"wg{w}", phase_medians(stamps, 8 + 8 * w, P_EVENTS)) for w in (0, 1)]
         print(f"  launch {rep}: period {parts[0][1]['period']:.0f}")
         for name, ph in parts:

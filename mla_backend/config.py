@@ -186,18 +186,19 @@ def p_planes_for(p_precision: str, rows_per_block: int) -> int:
 
 def decode_config(num_heads: int, q_len: int, page_size: int, *, tile_tokens: int = 64, causal: bool = True,
                   p_precision: Optional[str] = None, rows_per_block: Optional[int] = None,
-                  num_stages: Optional[int] = None, p_planes: Optional[int] = None, arch: str = "sm_90a",
-                  env: Optional[Environment] = None, **research) -> DecodeConfig:
+                  num_stages: Optional[int] = None, p_planes: Optional[int] = None,
+                  kv_loads: Optional[str] = None, arch: str = "sm_90a", env: Optional[Environment] = None,
+                  **research) -> DecodeConfig:
     """The decode configuration the runtime uses for a shape; keyword overrides are for tests and benchmarks."""
     env = env or environment()
     rows = default_rows_per_block(num_heads, q_len) if rows_per_block is None else rows_per_block
-    research.setdefault("kv_loads", default_kv_loads(rows))
     if p_planes is None:
         p_planes = p_planes_for(env.p_precision if p_precision is None else p_precision, rows)
     return DecodeConfig(num_heads=num_heads, q_len=q_len, page_size=page_size, tile_tokens=tile_tokens,
                         causal=bool(causal), rows_per_block=rows,
                         num_stages=default_num_stages(rows) if num_stages is None else num_stages,
-                        p_planes=p_planes, pdl=env.pdl, arch=arch, **research)
+                        p_planes=p_planes, kv_loads=default_kv_loads(rows) if kv_loads is None else kv_loads,
+                        pdl=env.pdl, arch=arch, **research)
 
 
 # ------------------------------------------------------------------------------------------------ combine

@@ -26,7 +26,6 @@ from .barriers import LOAD_BAR, S_FREE, S_FULL
 from .decode_common import CTAContext
 from .decode_layout import CHUNK, SOFTMAX_THREADS, WARPGROUP
 from .decode_swg import MLADecodeSwgSM90, sw_register_budgets
-from .paged_kv import HALF
 from .ptx import fence_proxy_async_smem
 
 
@@ -67,14 +66,11 @@ class MLADecodeSwgTmaSM90(MLADecodeSwgSM90):
                 for st in cutlass.range_constexpr(NS - 1):
                     if st < n_chunks:
                         tok0 = tok_begin + st * C
-                        self._issue_chunk_tma(cta.tma_atom, t_cache, t_ring, bars + st,
-                                              self._lookup_page(mBT, b, tok0, tok_end, 0),
-                                              self._lookup_page(mBT, b, tok0 + HALF, tok_end, 0), tok0, st)
+                        page_a, page_b = self._lookup_chunk_pages(mBT, b, tok0, tok_end)
+                        self._issue_chunk_tma(cta.tma_atom, t_cache, t_ring, bars + st, page_a, page_b, tok0, st)
             # the pages of the next chunk to load and of the one after, read two iterations ahead of their boxes
-            next_a = self._lookup_page(mBT, b, tok_begin + (NS - 1) * C, tok_end, 0)
-            next_b = self._lookup_page(mBT, b, tok_begin + (NS - 1) * C + HALF, tok_end, 0)
-            after_a = self._lookup_page(mBT, b, tok_begin + NS * C, tok_end, 0)
-            after_b = self._lookup_page(mBT, b, tok_begin + NS * C + HALF, tok_end, 0)
+            next_a, next_b = self._lookup_chunk_pages(mBT, b, tok_begin + (NS - 1) * C, tok_end)
+            after_a, after_b = self._lookup_chunk_pages(mBT, b, tok_begin + NS * C, tok_end)
 
             for j in range(n_chunks):
                 stage = j % NS
@@ -103,8 +99,7 @@ class MLADecodeSwgTmaSM90(MLADecodeSwgSM90):
                     self._refill(cta, t_cache, t_ring, bars, next_a, next_b, tok_begin, j, n_chunks, issuer, lead)
                 next_a = after_a
                 next_b = after_b
-                after_a = self._lookup_page(mBT, b, tok_begin + (j + NS + 1) * C, tok_end, 0)
-                after_b = self._lookup_page(mBT, b, tok_begin + (j + NS + 1) * C + HALF, tok_end, 0)
+                after_a, after_b = self._lookup_chunk_pages(mBT, b, tok_begin + (j + NS + 1) * C, tok_end)
             if n_chunks > 0:
                 cute.arch.barrier(barrier_id=S_FREE + (n_chunks - 1) % 2, number_of_threads=NT)
             cute.arch.cp_async_wait_group(0)  # a segment without chunks still loaded Q

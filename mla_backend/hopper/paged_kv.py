@@ -136,6 +136,12 @@ class PagedKVLoads:
         return t_cache, t_ring
 
     @cute.jit
+    def _lookup_chunk_pages(self, mBT: cute.Tensor, b: Int32, tok0: Int32, tok_end: Int32):
+        """(TMA path) The block-table entries of the two halves of the chunk [tok0, tok0 + C) of request b
+        (`_lookup_page` of each half's first token: -1 at or past tok_end)."""
+        return self._lookup_page(mBT, b, tok0, tok_end, 0), self._lookup_page(mBT, b, tok0 + HALF, tok_end, 0)
+
+    @cute.jit
     def _issue_chunk_tma(self, tma_atom: cute.CopyAtom, t_cache: cute.Tensor, t_ring: cute.Tensor, bar: cute.Pointer,
                          page_a: Int32, page_b: Int32, tok0: Int32, stage: Int32):
         """(one whole warp: CuTe's TMA copy elects one of its lanes) The chunk [tok0, tok0 + C) into ring stage
