@@ -83,9 +83,14 @@ DECODE_PARTS = ("load", "s", "store_s", "softmax", "rescale", "pv")
 # How the S^T-warpgroup schedule brings the KV chunks into shared memory: 16-byte cp.async by its 128 threads, or
 # TMA boxes issued by one thread and completed on per-stage mbarriers (`hopper/decode_swg_tma.py`).
 KV_LOADS = ("cp_async", "tma")
-# Where that TMA schedule waits S_FREE(j - 1) and issues chunk j + NS - 1: after S^T(j) is stored and S_FULL(j)
-# arrived, or while S^T(j) runs (`decode_swg_tma.py`).
-KV_REFILLS = ("after_store", "under_s")
+# Where that TMA schedule waits S_FREE(j - 1) and issues chunk j + NS - 1: while S^T(j) runs (the default), or
+# after S^T(j) is stored and S_FULL(j) arrived (`decode_swg_tma.py`).
+KV_REFILLS = ("under_s", "after_store")
+# Tokens per TMA box of the KV: 32 (a half chunk; five boxes of 128 bytes per half, ten per chunk), or 64 (a whole
+# chunk on one page: the four latent blocks as one box and the rope as another). Boxes start where chunks do, at
+# the segments' tile starts, so TMA needs tiles of a multiple of 32 tokens (64 for the whole-chunk boxes, which
+# also need pages of 64).
+KV_BOX_TOKENS = (32, 64)
 TIMELINE_CHUNKS = 40  # chunks stamped per CTA by a timeline build (benchmarks/timeline_decode.py)
 
 
@@ -95,8 +100,8 @@ class DecodeConfig:
 
     rows_per_block 16 runs the ping-pong schedule (`hopper/decode_rows16.py`), 32, 48 and 64 the S^T-warpgroup
     schedule, its KV by TMA (`hopper/decode_swg_tma.py`, the default) or by cp.async (`kv_loads="cp_async"`,
-    `hopper/decode_swg.py`); `kv_refill` orders the TMA schedule's refills. `skip` and `timeline` are research
-    builds (benchmarks/): `skip` leaves
+    `hopper/decode_swg.py`); `kv_refill` orders the TMA schedule's refills and `kv_box_tokens` sizes its boxes
+    (KV_BOX_TOKENS). `skip` and `timeline` are research builds (benchmarks/): `skip` leaves
     parts of the work out, `timeline` stores SM clock stamps of chunks [timeline, timeline + TIMELINE_CHUNKS) of
     each stamped CTA into the workspace's last slot."""
 
@@ -114,7 +119,8 @@ class DecodeConfig:
     skip: FrozenSet[str] = field(default_factory=frozenset)
     timeline: Optional[int] = None
     kv_loads: str = "cp_async"
-    kv_refill: str = "after_store"
+    kv_refill: str = KV_REFILLS[0]
+    kv_box_tokens: int = 32
 
     def __post_init__(self):
         if self.page_size <= 0 or self.page_size & (self.page_size - 1):
@@ -139,6 +145,14 @@ class DecodeConfig:
             raise ValueError(f"kv_loads must be one of {KV_LOADS}, got {self.kv_loads!r}")
         if self.kv_loads == "tma" and self.rows_per_block == 16:
             raise ValueError("kv_loads='tma' is a load path of the S^T-warpgroup schedule (32-64 rows)")
+        if self.kv_loads == "tma" and self.tile_tokens % KV_BOX_TOKENS[0]:
+            raise ValueError(f"kv_loads='tma' needs tile_tokens a multiple of {KV_BOX_TOKENS[0]} (chunks start at "
+                             f"tile starts, the TMA boxes with them), got {self.tile_tokens}")
+        if self.kv_box_tokens not in KV_BOX_TOKENS:
+            raise ValueError(f"kv_box_tokens must be one of {KV_BOX_TOKENS}, got {self.kv_box_tokens}")
+        if self.kv_box_tokens == 64 and (self.page_size % 64 or self.tile_tokens % 64):
+            raise ValueError(f"kv_box_tokens=64 needs pages and tiles of a multiple of 64 tokens, got page_size "
+                             f"{self.page_size}, tile_tokens {self.tile_tokens}")
         if self.kv_refill not in KV_REFILLS:
             raise ValueError(f"kv_refill must be one of {KV_REFILLS}, got {self.kv_refill!r}")
         unknown = set(self.skip) - set(DECODE_PARTS)
@@ -165,12 +179,18 @@ class DecodeConfig:
         return part not in self.skip
 
 
-def default_kv_loads(rows_per_block: int) -> str:
-    """TMA for the S^T-warpgroup schedule (32-64 rows), cp.async for the 16-row ping-pong. H200, decode alone, one
-    process, cp.async -> TMA (minimum of 4 rounds, outputs identical): H128 q1 page 64 128K x B4 228.2 -> 221.4
-    us, H12 q8 1M x B1 393.8 -> 363.2, q8 128K x B4 200.2 -> 185.6, H16 q2 1M x B2 356.2 -> 323.4, H16 q4 page 64
-    1M x B2 446.7 -> 432.8, H64 page 64 1M x B2 497.5 -> 483.1."""
-    return "cp_async" if rows_per_block == 16 else "tma"
+def default_kv_loads(rows_per_block: int, tile_tokens: int) -> str:
+    """TMA for the S^T-warpgroup schedule (32-64 rows), cp.async for the 16-row ping-pong and for tiles that are
+    not a multiple of the TMA boxes' 32 tokens. H200, decode alone, one process, cp.async -> TMA (minimum of 4
+    rounds, outputs identical): H128 q1 page 64 128K x B4 228.2 -> 221.4 us, H12 q8 1M x B1 393.8 -> 363.2, q8
+    128K x B4 200.2 -> 185.6, H16 q2 1M x B2 356.2 -> 323.4, H16 q4 page 64 1M x B2 446.7 -> 432.8, H64 page 64 1M
+    x B2 497.5 -> 483.1."""
+    return "cp_async" if rows_per_block == 16 or tile_tokens % KV_BOX_TOKENS[0] else "tma"
+
+
+def default_kv_box_tokens(page_size: int, tile_tokens: int) -> int:
+    """Whole-chunk boxes (64 tokens) wherever pages and tiles allow them, else half-chunk boxes (KV_BOX_TOKENS)."""
+    return 64 if page_size % 64 == 0 and tile_tokens % 64 == 0 else 32
 
 
 def default_num_stages(rows_per_block: int) -> int:
@@ -187,7 +207,8 @@ def p_planes_for(p_precision: str, rows_per_block: int) -> int:
 def decode_config(num_heads: int, q_len: int, page_size: int, *, tile_tokens: int = 64, causal: bool = True,
                   p_precision: Optional[str] = None, rows_per_block: Optional[int] = None,
                   num_stages: Optional[int] = None, p_planes: Optional[int] = None,
-                  kv_loads: Optional[str] = None, arch: str = "sm_90a", env: Optional[Environment] = None,
+                  kv_loads: Optional[str] = None, kv_box_tokens: Optional[int] = None, arch: str = "sm_90a",
+                  env: Optional[Environment] = None,
                   **research) -> DecodeConfig:
     """The decode configuration the runtime uses for a shape; keyword overrides are for tests and benchmarks."""
     env = env or environment()
@@ -197,7 +218,10 @@ def decode_config(num_heads: int, q_len: int, page_size: int, *, tile_tokens: in
     return DecodeConfig(num_heads=num_heads, q_len=q_len, page_size=page_size, tile_tokens=tile_tokens,
                         causal=bool(causal), rows_per_block=rows,
                         num_stages=default_num_stages(rows) if num_stages is None else num_stages,
-                        p_planes=p_planes, kv_loads=default_kv_loads(rows) if kv_loads is None else kv_loads,
+                        p_planes=p_planes,
+                        kv_loads=default_kv_loads(rows, tile_tokens) if kv_loads is None else kv_loads,
+                        kv_box_tokens=(default_kv_box_tokens(page_size, tile_tokens) if kv_box_tokens is None
+                                       else kv_box_tokens),
                         pdl=env.pdl, arch=arch, **research)
 
 

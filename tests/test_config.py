@@ -116,7 +116,7 @@ def test_kv_loads_by_schedule_and_checked():
     assert (decode_config(12, 1, 32).kv_loads, decode_config(12, 1, 32).schedule) == ("cp_async", "rows16")
     for heads, q_len in ((16, 2), (12, 8), (128, 1)):
         cfg = decode_config(heads, q_len, 64)
-        assert (cfg.kv_loads, cfg.kv_refill, cfg.schedule) == ("tma", "after_store", "swg_tma")
+        assert (cfg.kv_loads, cfg.kv_refill, cfg.schedule) == ("tma", "under_s", "swg_tma")
         assert decode_config(heads, q_len, 64, kv_loads="cp_async").schedule == "swg"
     with pytest.raises(ValueError, match="kv_loads='tma' is a load path of the S"):
         decode_config(12, 1, 32, kv_loads="tma")
@@ -124,3 +124,28 @@ def test_kv_loads_by_schedule_and_checked():
         decode_config(12, 8, 32, kv_loads="bulk")
     with pytest.raises(ValueError, match="kv_refill must be one of"):
         decode_config(12, 8, 32, kv_refill="early")
+
+
+def test_kv_boxes_follow_pages_and_tiles():
+    """Whole-chunk TMA boxes where pages and tiles are multiples of 64 tokens, half-chunk boxes where tiles are
+    multiples of 32, and cp.async where tiles are shorter (boxes start at tile starts); a box size the pages or
+    tiles cannot take is an error naming the field."""
+    import pytest
+
+    from mla_backend.config import decode_config
+
+    assert decode_config(128, 1, 64).kv_box_tokens == 64
+    assert decode_config(128, 1, 64, tile_tokens=128).kv_box_tokens == 64
+    assert decode_config(128, 1, 32).kv_box_tokens == 32  # a chunk spans two pages
+    assert decode_config(16, 4, 64, tile_tokens=32).kv_box_tokens == 32  # chunks start mid-page
+    for page in (32, 64):
+        cfg = decode_config(12, 8, page, tile_tokens=16)
+        assert (cfg.kv_loads, cfg.schedule) == ("cp_async", "swg")
+    with pytest.raises(ValueError, match="kv_loads='tma' needs tile_tokens a multiple of 32"):
+        decode_config(12, 8, 32, tile_tokens=16, kv_loads="tma")
+    with pytest.raises(ValueError, match="kv_box_tokens=64 needs pages and tiles of a multiple of 64"):
+        decode_config(12, 8, 32, kv_box_tokens=64)
+    with pytest.raises(ValueError, match="kv_box_tokens=64 needs pages and tiles of a multiple of 64"):
+        decode_config(12, 8, 64, tile_tokens=32, kv_box_tokens=64)
+    with pytest.raises(ValueError, match="kv_box_tokens must be one of"):
+        decode_config(12, 8, 64, kv_box_tokens=16)

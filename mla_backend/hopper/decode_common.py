@@ -24,7 +24,7 @@ from cutlass.cute.nvgpu import cpasync
 from ..config import TIMELINE_CHUNKS, DecodeConfig
 from ..shapes import KV_DIM
 from .decode_layout import (CHUNK, FP8, KV_BLOCKS, LOG2E, S_STRIDE, SM90_SMEM_CAPACITY, SOFTMAX_THREADS, V_DIM,
-                            q_layout, ring_layout)
+                            p_buffer_bytes, q_layout, ring_layout)
 from .decode_mma import DecodeMMA
 from .epilogue import DecodeEpilogue
 from .launch import pdl_prologue
@@ -129,7 +129,7 @@ class MLADecodeSM90(PagedKVLoads, OnlineSoftmax, DecodeMMA, DecodeEpilogue):
             q: cute.struct.Align[cute.struct.MemRange[FP8, ROWS * 128 * KV_BLOCKS], 1024]
             # two chunks of full S^T: one per warpgroup (ping-pong) or per buffer (S^T warpgroup)
             s: cute.struct.Align[cute.struct.MemRange[Float32, 2 * ROWS * S_STRIDE], 128]
-            p: cute.struct.Align[cute.struct.MemRange[FP8, 2 * 2 * ROWS * 64], 128]
+            p: cute.struct.Align[cute.struct.MemRange[FP8, 2 * p_buffer_bytes(ROWS, self.cfg.p_planes)], 128]
             alpha: cute.struct.Align[cute.struct.MemRange[Float32, 2 * ROWS], 16]
             inv_l: cute.struct.Align[cute.struct.MemRange[Float32, ROWS], 16]
             row_ml: cute.struct.Align[cute.struct.MemRange[Float32, 2 * 2 * ROWS], 16]
@@ -144,13 +144,14 @@ class MLADecodeSM90(PagedKVLoads, OnlineSoftmax, DecodeMMA, DecodeEpilogue):
             raise ValueError(f"{smem_bytes} B of shared memory do not fit an SM90 CTA ({SM90_SMEM_CAPACITY} B): "
                              f"lower num_stages or rows_per_block")
         scale_log2 = softmax_scale * LOG2E
-        tma_atom, tma_kv = None, None
+        tma_atom, tma_kv, tma_atom_latent, tma_latent = None, None, None, None
         if cutlass.const_expr(self.cfg.kv_loads == "tma"):
-            tma_atom, tma_kv = self._make_kv_tma(p_kv, num_pages, page_stride)
+            tma_atom, tma_kv, tma_atom_latent, tma_latent = self._make_kv_tma(p_kv, num_pages, page_stride)
         self.kernel(
             mQ, mKV, mBT, mSeq, mQScale, mKScale,
             mCtaTileStart, mCtaFirstReq, mReqTileStart, mReqFirstCta, mNumSplits, mSplitOffset,
-            mOut, mLse, mPOut, mPLse, scale_log2, atom_cp_async, tma_atom, tma_kv, SharedStorage,
+            mOut, mLse, mPOut, mPLse, scale_log2, atom_cp_async, tma_atom, tma_kv, tma_atom_latent, tma_latent,
+            SharedStorage,
         ).launch(
             grid=(self.cfg.num_row_blocks, num_ctas, 1),
             block=(self.num_threads, 1, 1),
@@ -182,6 +183,8 @@ class MLADecodeSM90(PagedKVLoads, OnlineSoftmax, DecodeMMA, DecodeEpilogue):
         atom_cp_async: cute.CopyAtom,
         tma_atom,
         tma_kv,
+        tma_atom_latent,
+        tma_latent,
         SharedStorage: cutlass.Constexpr,
     ):
         pdl_prologue(self.cfg.pdl)
@@ -211,7 +214,7 @@ class MLADecodeSM90(PagedKVLoads, OnlineSoftmax, DecodeMMA, DecodeEpilogue):
             mQ=mQ, mKV=mKV, mBT=mBT, mSeq=mSeq, mCtaTileStart=mCtaTileStart, mCtaFirstReq=mCtaFirstReq,
             mReqTileStart=mReqTileStart, mReqFirstCta=mReqFirstCta, mNumSplits=mNumSplits, mSplitOffset=mSplitOffset,
             mOut=mOut, mLse=mLse, mPOut=mPOut, mPLse=mPLse, atom_cp_async=atom_cp_async,
-            tma_atom=tma_atom, tma_kv=tma_kv,
+            tma_atom=tma_atom, tma_kv=tma_kv, tma_atom_latent=tma_atom_latent, tma_latent=tma_latent,
             tidx=tidx, cta=cta, row0=row0, lane=lane, lg=lane // 4, lt=lane % 4, wg=warp_idx // 4,
             wl=warp_idx % 4, k_scale=k_scale, scale_log2=scale_log2, storage=storage,
             sRing=storage.ring.get_tensor(ring_layout(self.cfg.num_stages)),

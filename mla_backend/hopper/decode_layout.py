@@ -50,10 +50,16 @@ def q_layout(rows: int):
         (16, (8, KV_BLOCKS), rows), stride=(1, (16, rows * 128), 128)))
 
 
-def p_words_layout(rows: int):
+def p_buffer_bytes(rows: int, planes: int) -> int:
+    """One buffer of P^T: `planes` e4m3 planes of rows x CHUNK tokens (only the planes in use take shared
+    memory)."""
+    return planes * rows * CHUNK
+
+
+def p_words_layout(rows: int, planes: int):
     """P words: (word w of a row = tokens pi(4w .. 4w + 3), row, plane, buffer) as Int32, core-matrix layout."""
-    return cute.make_layout(((4, 4), (8, rows // 8), 2, 2),
-                            stride=((1, P_LBO // 4), (4, P_SBO // 4), rows * 16, 2 * rows * 16))
+    return cute.make_layout(((4, 4), (8, rows // 8), planes, 2),
+                            stride=((1, P_LBO // 4), (4, P_SBO // 4), rows * 16, planes * rows * 16))
 
 
 def s_full_layout(rows: int):

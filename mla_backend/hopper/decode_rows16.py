@@ -17,7 +17,7 @@ from cutlass import Float32, Int32
 
 from .barriers import PINGPONG_WG
 from .decode_common import CTAContext, MLADecodeSM90
-from .decode_layout import CHUNK, KV_BLOCKS, WARPGROUP, p_words_layout, s_full_layout
+from .decode_layout import CHUNK, KV_BLOCKS, WARPGROUP, p_buffer_bytes, p_words_layout, s_full_layout
 from .ptx import fence_operand, fence_proxy_async_smem, wgmma_wait
 
 
@@ -42,7 +42,7 @@ class MLADecodeRows16SM90(MLADecodeSM90):
         sS = storage.s.get_tensor(s_full_layout(ROWS))
         # P words of this warpgroup (word, row, plane)
         sPw = cute.make_tensor(cute.recast_ptr(storage.p.data_ptr(), dtype=Int32),
-                               p_words_layout(ROWS))[None, None, None, wg]
+                               p_words_layout(ROWS, self.cfg.p_planes))[None, None, None, wg]
         sAlpha = storage.alpha.get_tensor(cute.make_layout((ROWS, 2), stride=(1, ROWS)))[None, wg]
         # (max or sum, row, warpgroup) at the end of a segment
         sML = storage.row_ml.get_tensor(cute.make_layout((2, ROWS, 2), stride=(1, 2, 2 * ROWS)))
@@ -50,7 +50,7 @@ class MLADecodeRows16SM90(MLADecodeSM90):
         # (thread, accumulator, tile of the receiver's half, receiving warpgroup)
         sX = cute.make_tensor(cute.recast_ptr(storage.ring.data_ptr(), dtype=Float32), cute.make_layout(
             (WGT, NA, 4, 2), stride=(1, WGT, NA * WGT, 4 * NA * WGT)))
-        p_addr = storage.p.data_ptr().toint() + wg * (2 * ROWS * 64)
+        p_addr = storage.p.data_ptr().toint() + wg * p_buffer_bytes(ROWS, self.cfg.p_planes)
         tw = tidx % WGT  # thread in the warpgroup
         wg_bar = PINGPONG_WG + wg
 

@@ -26,7 +26,8 @@ from cutlass import Float32, Int32
 
 from .barriers import LOAD_BAR, PV_BAR, S_FREE, S_FULL
 from .decode_common import CTAContext, MLADecodeSM90
-from .decode_layout import CHUNK, KV_BLOCKS, SOFTMAX_THREADS, WARPGROUP, p_words_layout, s_full_layout
+from .decode_layout import (CHUNK, KV_BLOCKS, SOFTMAX_THREADS, WARPGROUP, p_buffer_bytes, p_words_layout,
+                            s_full_layout)
 from .ptx import fence_operand, fence_proxy_async_smem, wgmma_wait
 
 SW_REGS_PV, SW_REGS_S = 208, 88
@@ -57,7 +58,7 @@ class MLADecodeSwgSM90(MLADecodeSM90):
         storage = cta.storage
         # full S^T (row, token, 0, buffer = chunk % 2); P words (word, row, plane, buffer); alpha (row, buffer)
         sS = storage.s.get_tensor(s_full_layout(self.rows))
-        sPw = cute.make_tensor(cute.recast_ptr(storage.p.data_ptr(), dtype=Int32), p_words_layout(self.rows))
+        sPw = cute.make_tensor(cute.recast_ptr(storage.p.data_ptr(), dtype=Int32), p_words_layout(self.rows, self.cfg.p_planes))
         sAlpha = storage.alpha.get_tensor(cute.make_layout((self.rows, 2), stride=(1, self.rows)))
         # the CTA's global tiles [g, g_end), from its first request b on
         g = cta.mCtaTileStart[cta.cta]
@@ -178,6 +179,7 @@ class MLADecodeSwgSM90(MLADecodeSM90):
         NS = self.cfg.num_stages
         NT = self.num_threads
         TPR = self.tpr
+        PB = p_buffer_bytes(ROWS, self.cfg.p_planes)  # bytes of one P buffer
         tidx, wg, wl, lt, lane = cta.tidx, cta.wg, cta.wl, cta.lt, cta.lane
         p_addr = cta.storage.p.data_ptr().toint()
         lead = tidx % WARPGROUP == 0
@@ -211,7 +213,7 @@ class MLADecodeSwgSM90(MLADecodeSM90):
                                                                  tok_begin, row_end, row_max, row_sum, srow, ssub,
                                                                  lead, True)
                 if n_chunks > 0:
-                    self._issue_pv_part(acc_O, vt, p_addr + ((n_chunks - 1) % 2) * (2 * ROWS * 64), 0, 4, True)
+                    self._issue_pv_part(acc_O, vt, p_addr + ((n_chunks - 1) % 2) * PB, 0, 4, True)
             else:
                 for ci in range(n_chunks):
                     buf = ci % 2
@@ -235,7 +237,7 @@ class MLADecodeSwgSM90(MLADecodeSM90):
                     self._stamp(cta, lead, ci, 8 + 8 * wg + 4)  # "P barrier passed"
                     self._rescale_o(acc_O, sAlpha[None, buf], lt, False)
                     self._stamp(cta, lead, ci, 8 + 8 * wg + 5)  # "O^T rescaled"
-                    self._issue_pv_regs(acc_O, a_regs, p_addr + buf * (2 * ROWS * 64), 0)
+                    self._issue_pv_regs(acc_O, a_regs, p_addr + buf * PB, 0)
                     self._stamp(cta, lead, ci, 8 + 8 * wg + 6)  # "P.V issued"
             wgmma_wait(0)
             for i in cutlass.range_constexpr(4 * NA):
@@ -263,7 +265,8 @@ class MLADecodeSwgSM90(MLADecodeSM90):
         NT = self.num_threads
         wg = cta.wg
         buf = ci % 2
-        p_prev = p_addr + (1 - buf) * (2 * ROWS * 64)
+        PB = p_buffer_bytes(ROWS, self.cfg.p_planes)
+        p_prev = p_addr + (1 - buf) * PB
         cute.arch.barrier(barrier_id=S_FULL + buf, number_of_threads=NT)
         self._stamp(cta, lead, ci, 8 + 8 * wg + 0)  # "S_FULL passed"
         cmax = self._softmax_max(sS[None, None, None, buf], vals, tok_begin + ci * C, row_end, cta.scale_log2, srow,

@@ -4,16 +4,20 @@ The softmax / P.V warpgroups are those of `decode_swg.py`; only the S^T warpgrou
 threads issue 18 copies each per chunk (~900 cycles while the S^T wgmmas hold the shared-memory pipe), and at 64
 rows those copies sit on the chunk's critical cycle: S_FREE(j - 1) -> copies of chunk j + NS - 1 -> S^T(j) stored
 -> S_FULL(j) -> softmax(j) -> V^T(j) -> S_FREE(j) (timeline, H128: 1810 cycles from the S^T issue to the end of
-the copies, of a ~3300-cycle chunk). Here warp 0 of the warpgroup issues the chunk's ten TMA boxes
-(`paged_kv._issue_chunk_tma`) and the chunk's landing is a per-stage mbarrier (`kv_full`, expect-tx bytes), so
-per chunk j the warpgroup: waits for chunk j's mbarrier (and, on a segment's first chunk, its own cp.async of Q),
-zeroes the tokens of a segment's last chunk past its end, issues S^T(j), sums the two chains, stores S^T(j),
-arrives S_FULL(j), then waits S_FREE(j - 1) and issues the boxes of chunk j + NS - 1 into the stage chunk j - 1
-held (`kv_refill="after_store"`, the default; `"under_s"` waits and issues right after S^T(j) is issued). The
-mbarrier phases follow each stage's uses across segments (`phases`, one bit per stage).
+the copies, of a ~3300-cycle chunk). Here warp 0 of the warpgroup issues the chunk's TMA boxes
+(`paged_kv._issue_chunk_tma`: two per chunk on pages of 64, ten on pages of 32) and the chunk's landing is a
+per-stage mbarrier (`kv_full`, expect-tx bytes), so per chunk j the warpgroup: waits for chunk j's mbarrier (and,
+on a segment's first chunk, its own cp.async of Q), zeroes the tokens of a segment's last chunk past its end,
+issues S^T(j), then (`kv_refill="under_s"`, the default) waits S_FREE(j - 1) and issues the boxes of chunk
+j + NS - 1 into the stage chunk j - 1 held while S^T(j) runs, sums the two chains, stores S^T(j) and arrives
+S_FULL(j) (`"after_store"` waits and issues only after that arrival). The mbarrier phases follow each stage's uses
+across segments (`phases`, one bit per stage).
 
-H200, decode alone, one process, cp.async -> TMA, outputs identical: H128 q1 page 64 128K x B4 228.2 -> 221.4 us,
-H12 q8 1M x B1 393.8 -> 363.2, H16 q2 1M x B2 356.2 -> 323.4 (`config.default_kv_loads`).
+H200, decode alone, one process, outputs identical: cp.async -> TMA (ten boxes, refills after the store) H128 q1
+page 64 128K x B4 228.2 -> 221.4 us, H12 q8 1M x B1 393.8 -> 363.2, H16 q2 1M x B2 356.2 -> 323.4
+(`config.default_kv_loads`); then ten boxes after the store -> two boxes under S^T: H128 225.8 -> 195.3, H64
+page 64 1M x B2 447.8 -> 398.4, H16 q4 page 64 1M x B2 449.0 -> 398.3 (ten boxes under S^T: 206.3, 422.1, 409.5;
+`config.KV_REFILLS`, `config.KV_BOX_TOKENS`).
 """
 
 from __future__ import annotations
@@ -47,7 +51,7 @@ class MLADecodeSwgTmaSM90(MLADecodeSwgSM90):
         # boxes, lane 0 the expect-tx arrive before them
         issuer = tw < 32
         bars = cta.storage.kv_full.data_ptr()
-        t_cache, t_ring = self._kv_tma_partitions(cta.tma_atom, cta.tma_kv, cta.storage.ring.data_ptr())
+        boxes = self._kv_tma_partitions(cta, cta.storage.ring.data_ptr())
         if lead:
             for st in cutlass.range_constexpr(NS):
                 cute.arch.mbarrier_init(bars + st, 1)
@@ -67,7 +71,7 @@ class MLADecodeSwgTmaSM90(MLADecodeSwgSM90):
                     if st < n_chunks:
                         tok0 = tok_begin + st * C
                         page_a, page_b = self._lookup_chunk_pages(mBT, b, tok0, tok_end)
-                        self._issue_chunk_tma(cta.tma_atom, t_cache, t_ring, bars + st, page_a, page_b, tok0, st)
+                        self._issue_chunk_tma(cta, boxes, bars + st, page_a, page_b, tok0, st)
             # the pages of the next chunk to load and of the one after, read two iterations ahead of their boxes
             next_a, next_b = self._lookup_chunk_pages(mBT, b, tok_begin + (NS - 1) * C, tok_end)
             after_a, after_b = self._lookup_chunk_pages(mBT, b, tok_begin + NS * C, tok_end)
@@ -88,7 +92,7 @@ class MLADecodeSwgTmaSM90(MLADecodeSwgSM90):
                 self._stamp(cta, lead, j, 0)  # "chunk landed"
                 self._issue_s_chains(acc_S, acc_S2, cta.ring_addr, cta.q_addr, stage)
                 if cutlass.const_expr(self.cfg.kv_refill == "under_s"):
-                    self._refill(cta, t_cache, t_ring, bars, next_a, next_b, tok_begin, j, n_chunks, issuer, lead)
+                    self._refill(cta, boxes, bars, next_a, next_b, tok_begin, j, n_chunks, issuer, lead)
                 self._sum_s_chains(acc_S, acc_S2)
                 self._stamp(cta, lead, j, 1)  # "S^T done"
                 # buffer j % 2 last held S^T(j - 2), released (S_FREE) before this warpgroup issued chunk j + 1
@@ -96,7 +100,7 @@ class MLADecodeSwgTmaSM90(MLADecodeSwgSM90):
                 cute.arch.barrier_arrive(barrier_id=S_FULL + j % 2, number_of_threads=NT)
                 self._stamp(cta, lead, j, 2)  # "S^T stored"
                 if cutlass.const_expr(self.cfg.kv_refill == "after_store"):
-                    self._refill(cta, t_cache, t_ring, bars, next_a, next_b, tok_begin, j, n_chunks, issuer, lead)
+                    self._refill(cta, boxes, bars, next_a, next_b, tok_begin, j, n_chunks, issuer, lead)
                 next_a = after_a
                 next_b = after_b
                 after_a, after_b = self._lookup_chunk_pages(mBT, b, tok_begin + (j + NS + 1) * C, tok_end)
@@ -109,7 +113,7 @@ class MLADecodeSwgTmaSM90(MLADecodeSwgSM90):
             b = b + 1
 
     @cute.jit
-    def _refill(self, cta: CTAContext, t_cache: cute.Tensor, t_ring: cute.Tensor, bars: cute.Pointer,
+    def _refill(self, cta: CTAContext, boxes, bars: cute.Pointer,
                 page_a: Int32, page_b: Int32, tok_begin: Int32, j: Int32, n_chunks: Int32, issuer, lead):
         """Iteration j: chunk j + NS - 1 (its halves on page_a and page_b) into the stage chunk j - 1 held, once
         S_FREE(j - 1) says that chunk's S^T and V^T registers are read."""
@@ -118,6 +122,6 @@ class MLADecodeSwgTmaSM90(MLADecodeSwgSM90):
             cute.arch.barrier(barrier_id=S_FREE + (j - 1) % 2, number_of_threads=self.num_threads)
         self._stamp(cta, lead, j, 3)  # "S_FREE passed"
         if issuer and j + NS - 1 < n_chunks:
-            self._issue_chunk_tma(cta.tma_atom, t_cache, t_ring, bars + (j + NS - 1) % NS, page_a, page_b,
+            self._issue_chunk_tma(cta, boxes, bars + (j + NS - 1) % NS, page_a, page_b,
                                   tok_begin + (j + NS - 1) * CHUNK, (j + NS - 1) % NS)
         self._stamp(cta, lead, j, 4)  # "boxes issued"

@@ -6,12 +6,16 @@ wgmma reads (`decode_layout`), by one of two paths:
 
 - 16-byte cp.async: thread t of a 256-thread group copies token t / 4, pieces t % 4 + 4i. Tokens past the segment
   end are zero-filled in shared memory (never loaded).
-- TMA (`decode_swg_tma.py`): one thread issues, per half chunk of 32 tokens (which never crosses a page), five
-  boxes of 128 bytes x 32 tokens of the cache viewed as (576 bytes, page_size tokens, pages); the fifth box starts
-  at the rope (byte 512) and its last 64 bytes lie past the row, which the TMA unit fills with zeros, as it fills
-  every box whose page is not a page of the cache (-1 past the segment end, or a bad entry). The box's bytes land
-  in the same swizzled layout the cp.async path writes. Tokens of a loaded page past the segment end are zeroed
-  by the threads after the chunk lands (`_zero_tail_tokens`), so their bytes never reach P.V.
+- TMA (`decode_swg_tma.py`): one warp issues boxes of the cache viewed as (576 bytes, page_size tokens, pages):
+  with `kv_box_tokens` 32, per half chunk of 32 tokens (which never crosses a page), five boxes of 128 bytes x
+  32 tokens; with 64 (pages and tiles of 64, so a chunk is one page's 64 tokens), the four latent blocks as one
+  box of 128 bytes x 64 tokens x 4 blocks of the cache viewed as (128 bytes, page_size, 4 blocks, pages), and the
+  rope as one 128 x 64 box. A rope box starts at byte 512 and its last 64 bytes lie past the row, which the TMA
+  unit fills with zeros, as it fills every box whose page is not a page of the cache (-1 past the segment end, or
+  a bad entry). The boxes' bytes land in the same swizzled layout the cp.async path writes. Tokens of a loaded
+  page past the segment end are zeroed by the threads after the chunk lands (`_zero_tail_tokens`), so their
+  bytes never reach P.V. Boxes start at chunk starts, which are tile starts: tiles of fewer than 32 tokens load
+  by cp.async (`config.default_kv_loads`).
 
 Either way the block table is never read past ceil(L_b / page_size), and whatever the metadata (unchecked inside
 CUDA graphs), page indices are clamped to the table's width and entries outside the cache are never read.
@@ -30,9 +34,16 @@ from ..shapes import KV_DIM
 from .decode_layout import CHUNK, KV_BLOCKS, PIECES, swizzle128
 from .ptx import cp_async_16_l2_128
 
-HALF = CHUNK // 2  # tokens per TMA box: a half chunk, which never crosses a page (pages of 32 or 64)
-TMA_BOX_BYTES = 128 * HALF
-TMA_CHUNK_BYTES = 2 * KV_BLOCKS * TMA_BOX_BYTES  # what one chunk's boxes write (their zero fill included)
+HALF = CHUNK // 2  # tokens of a half-chunk TMA box, which never crosses a page (pages of 32 or 64)
+LATENT_BLOCKS = 4  # the 128-byte blocks of the 512 latent bytes (the fifth block is the rope's 64)
+TMA_CHUNK_BYTES = CHUNK * 128 * KV_BLOCKS  # what one chunk's boxes write (the rope box's zero fill included)
+
+
+class KVBoxes:
+    """The TMA boxes' partitioned sources and destinations (`PagedKVLoads._kv_tma_partitions`)."""
+
+    def __init__(self, **values):
+        self.__dict__.update(values)
 
 
 class PagedKVLoads:
@@ -116,39 +127,69 @@ class PagedKVLoads:
     # ----------------------------------------------------------------------------------------------- TMA path
     @cute.jit
     def _make_kv_tma(self, p_kv: cute.Pointer, num_pages: Int32, page_stride: Int64):
-        """(host side) The TMA atom and coordinate tensor of the cache viewed as (576 bytes, page_size tokens,
-        pages), for boxes of 128 bytes x HALF tokens in the ring's 128B swizzle."""
+        """(host side) The TMA atoms and coordinate tensors of the cache, for boxes in the ring's 128B swizzle:
+        the cache as (576 bytes, page_size tokens, pages) in boxes of 128 bytes x kv_box_tokens tokens (every
+        block with half-chunk boxes, the rope alone with whole-chunk ones), and for whole-chunk boxes also the
+        cache as (128 bytes, page_size tokens, 4 latent blocks, pages) in one box of 128 bytes x 64 tokens x 4
+        blocks, which lands in the ring's block-after-block layout (else None, None)."""
+        BT = self.cfg.kv_box_tokens
+        op = cpasync.CopyBulkTensorTileG2SOp()
         mKV3 = cute.make_tensor(p_kv, cute.make_layout((KV_DIM, self.cfg.page_size, num_pages),
                                                        stride=(1, KV_DIM, page_stride)))
-        box = cute.make_composed_layout(swizzle128(), 0, cute.make_layout((128, HALF), stride=(1, 128)))
-        return cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mKV3, box, (128, HALF))
+        box = cute.make_composed_layout(swizzle128(), 0, cute.make_layout((128, BT), stride=(1, 128)))
+        atom, tensor = cpasync.make_tiled_tma_atom(op, mKV3, box, (128, BT))
+        atom_latent, tensor_latent = None, None
+        if cutlass.const_expr(BT == CHUNK):
+            mKV4 = cute.make_tensor(p_kv, cute.make_layout((128, self.cfg.page_size, LATENT_BLOCKS, num_pages),
+                                                           stride=(1, KV_DIM, 128, page_stride)))
+            box4 = cute.make_composed_layout(swizzle128(), 0, cute.make_layout(
+                (128, CHUNK, LATENT_BLOCKS), stride=(1, 128, CHUNK * 128)))
+            atom_latent, tensor_latent = cpasync.make_tiled_tma_atom(op, mKV4, box4, (128, CHUNK, LATENT_BLOCKS))
+        return atom, tensor, atom_latent, tensor_latent
 
     @cute.jit
-    def _kv_tma_partitions(self, tma_atom: cute.CopyAtom, tma_kv: cute.Tensor, ring_ptr: cute.Pointer):
-        """(box, block, half, page) of the cache and (box, (block, half, stage)) of the ring, for `cute.copy`."""
+    def _kv_tma_partitions(self, cta, ring_ptr: cute.Pointer):
+        """The boxes' sources and destinations for `cute.copy`: (box, block, box row, page) of the cache and (box,
+        (block, box of the chunk, stage)) of the ring; with whole-chunk boxes also (box, 0, box row, 0, page) of
+        the latent view and (box, stage) of the ring."""
         C = CHUNK
+        BT = self.cfg.kv_box_tokens
         ring_boxes = cute.make_tensor(ring_ptr, cute.make_composed_layout(swizzle128(), 0, cute.make_layout(
-            ((128, HALF), (KV_BLOCKS, 2, self.cfg.num_stages)),
-            stride=((1, 128), (C * 128, HALF * 128, C * 128 * KV_BLOCKS)))))
-        g_boxes = cute.local_tile(tma_kv, (128, HALF), (None, None, None))
-        t_ring, t_cache = cpasync.tma_partition(tma_atom, 0, cute.make_layout(1), cute.group_modes(ring_boxes, 0, 1),
-                                                cute.group_modes(g_boxes, 0, 2))
-        return t_cache, t_ring
+            ((128, BT), (KV_BLOCKS, C // BT, self.cfg.num_stages)),
+            stride=((1, 128), (C * 128, BT * 128, C * 128 * KV_BLOCKS)))))
+        g_boxes = cute.local_tile(cta.tma_kv, (128, BT), (None, None, None))
+        t_ring, t_cache = cpasync.tma_partition(cta.tma_atom, 0, cute.make_layout(1),
+                                                cute.group_modes(ring_boxes, 0, 1), cute.group_modes(g_boxes, 0, 2))
+        t_ring_latent, t_cache_latent = None, None
+        if cutlass.const_expr(BT == CHUNK):
+            ring_latent = cute.make_tensor(ring_ptr, cute.make_composed_layout(swizzle128(), 0, cute.make_layout(
+                ((128, C, LATENT_BLOCKS), (self.cfg.num_stages,)),
+                stride=((1, 128, C * 128), (C * 128 * KV_BLOCKS,)))))
+            g_latent = cute.local_tile(cta.tma_latent, (128, C, LATENT_BLOCKS), (None, None, None, None))
+            t_ring_latent, t_cache_latent = cpasync.tma_partition(cta.tma_atom_latent, 0, cute.make_layout(1),
+                                                                  cute.group_modes(ring_latent, 0, 1),
+                                                                  cute.group_modes(g_latent, 0, 3))
+        return KVBoxes(t_cache=t_cache, t_ring=t_ring, t_cache_latent=t_cache_latent, t_ring_latent=t_ring_latent)
 
     @cute.jit
     def _lookup_chunk_pages(self, mBT: cute.Tensor, b: Int32, tok0: Int32, tok_end: Int32):
         """(TMA path) The block-table entries of the two halves of the chunk [tok0, tok0 + C) of request b
-        (`_lookup_page` of each half's first token: -1 at or past tok_end)."""
-        return self._lookup_page(mBT, b, tok0, tok_end, 0), self._lookup_page(mBT, b, tok0 + HALF, tok_end, 0)
+        (`_lookup_page` of each half's first token: -1 at or past tok_end); whole-chunk boxes need one page."""
+        page_a = self._lookup_page(mBT, b, tok0, tok_end, 0)
+        page_b = page_a
+        if cutlass.const_expr(self.cfg.kv_box_tokens != CHUNK):
+            page_b = self._lookup_page(mBT, b, tok0 + HALF, tok_end, 0)
+        return page_a, page_b
 
     @cute.jit
-    def _issue_chunk_tma(self, tma_atom: cute.CopyAtom, t_cache: cute.Tensor, t_ring: cute.Tensor, bar: cute.Pointer,
-                         page_a: Int32, page_b: Int32, tok0: Int32, stage: Int32):
+    def _issue_chunk_tma(self, cta, boxes, bar: cute.Pointer, page_a: Int32, page_b: Int32, tok0: Int32,
+                         stage: Int32):
         """(one whole warp: CuTe's TMA copy elects one of its lanes) The chunk [tok0, tok0 + C) into ring stage
-        `stage`: its halves on page_a and page_b (-1 past the segment end: zero-filled), completing on the stage's
-        mbarrier `bar`, whose one arrival (with the chunk's bytes) lane 0 makes first. (A research build without
-        loads only arrives on it.)"""
+        `stage`: its halves on page_a and page_b (-1 past the segment end: zero-filled; whole-chunk boxes read
+        page_a only), completing on the stage's mbarrier `bar`, whose one arrival (with the chunk's bytes) lane 0
+        makes first. (A research build without loads only arrives on it.)"""
         P = self.cfg.page_size
+        BT = self.cfg.kv_box_tokens
         lane = cute.arch.lane_idx()
         if cutlass.const_expr(not self.cfg.runs("load")):
             if lane == 0:
@@ -156,11 +197,19 @@ class PagedKVLoads:
         else:
             if lane == 0:
                 cute.arch.mbarrier_arrive_and_expect_tx(bar, TMA_CHUNK_BYTES)
-            for h in cutlass.range_constexpr(2):
-                page = page_a if h == 0 else page_b
-                y = ((tok0 + h * HALF) % P) // HALF
-                for kb in cutlass.range_constexpr(KV_BLOCKS):
-                    cute.copy(tma_atom, t_cache[None, kb, y, page], t_ring[None, (kb, h, stage)], tma_bar_ptr=bar)
+            if cutlass.const_expr(BT == CHUNK):
+                y = (tok0 % P) // CHUNK
+                cute.copy(cta.tma_atom_latent, boxes.t_cache_latent[None, 0, y, 0, page_a],
+                          boxes.t_ring_latent[None, stage], tma_bar_ptr=bar)
+                cute.copy(cta.tma_atom, boxes.t_cache[None, KV_BLOCKS - 1, y, page_a],
+                          boxes.t_ring[None, (KV_BLOCKS - 1, 0, stage)], tma_bar_ptr=bar)
+            else:
+                for h in cutlass.range_constexpr(2):
+                    page = page_a if h == 0 else page_b
+                    y = ((tok0 + h * HALF) % P) // HALF
+                    for kb in cutlass.range_constexpr(KV_BLOCKS):
+                        cute.copy(cta.tma_atom, boxes.t_cache[None, kb, y, page], boxes.t_ring[None, (kb, h, stage)],
+                                  tma_bar_ptr=bar)
 
     @cute.jit
     def _zero_tail_tokens(self, sRing: cute.Tensor, zero16: cute.Tensor, n0: Int32, stage: Int32, tidx: Int32,

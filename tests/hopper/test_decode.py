@@ -218,9 +218,12 @@ GPU_CASES = [
     (16, 4, 64, 32, True, [4, 5, 64, 1500, 77], 9, {**ROWS_64, "kv_loads": "cp_async"}),
     (12, 8, 32, 64, True, [8, 9, 100, 1000, 4000, 65], 9, {**ROWS_48, "kv_loads": "cp_async"}),
     (16, 2, 64, 64, True, [2, 63, 64, 65, 129, 3000, 17, 900], 12, {**ROWS_32, "kv_loads": "cp_async"}),
-    # TMA refills issued under S^T (kv_refill): tiles of 32, so chunks that cross pages
-    (16, 4, 64, 32, True, [4, 5, 64, 1500, 77], 9, {**ROWS_64, "kv_refill": "under_s"}),
-    (12, 8, 32, 64, True, [8, 9, 100, 1000, 4000, 65], 9, {**ROWS_48, "kv_refill": "under_s"}),
+    # TMA refills issued after S^T is stored (kv_refill; the cases above issue them under S^T): tiles of 32, so
+    # chunks that cross pages
+    (16, 4, 64, 32, True, [4, 5, 64, 1500, 77], 9, {**ROWS_64, "kv_refill": "after_store"}),
+    (12, 8, 32, 64, True, [8, 9, 100, 1000, 4000, 65], 9, {**ROWS_48, "kv_refill": "after_store"}),
+    # half-chunk boxes on pages of 64 (the cases above with pages and tiles of 64 load whole-chunk boxes)
+    (128, 1, 64, 64, True, [1, 700, 3000, 64], 8, {**ROWS_64, "kv_box_tokens": 32}),
 ]
 
 
