@@ -66,7 +66,8 @@ def _parts(text: str) -> frozenset:
 # The decode_config keywords a --variant may set, and how each value is read. The case gives num_heads, q_len and
 # page_size, the plan tile_tokens; timeline builds need a spare workspace slot (benchmarks/timeline_decode.py).
 VARIANT_FIELDS = {"rows_per_block": int, "num_stages": int, "p_planes": int, "p_precision": check_p_precision,
-                  "causal": _flag, "skip": _parts, "kv_loads": str, "kv_refill": str, "kv_box_tokens": int}
+                  "causal": _flag, "skip": _parts, "kv_loads": str, "kv_refill": str, "kv_box_tokens": int,
+                  "lazy_rescale": _flag}
 
 
 def parse_variant(spec: str) -> dict:
@@ -219,9 +220,20 @@ def compare_outputs(ref, got) -> str:
     return f"DIFFERENT (max |diff| {worst:.3g})"
 
 
-def run_case(case, versions, rounds, per_round, bandwidth, ctas=()):
+def reference_errors(inp, fns):
+    """The relative L2 error of each launch's final output (its partials merged as the combine merges them)
+    against the fp32 reference on the same inputs."""
+    from mla_backend.reference import merge_decode_outputs, mla_decode_reference, relative_l2_error
+
+    ref_out, _ = mla_decode_reference(inp.q, inp.kv, inp.block_table, inp.seq_lens, softmax_scale=inp.softmax_scale,
+                                      q_scale=inp.q_scale, k_scale=inp.k_scale)
+    return [relative_l2_error(merge_decode_outputs(inp.plan, *outputs_of(fn), inp.k_scale)[0], ref_out)
+            for fn in fns]
+
+
+def run_case(case, versions, rounds, per_round, bandwidth, ctas=(), errors=False):
     """Time every (name, config) of `versions` on one case; with `ctas`, the current kernel also on plans of those
-    CTA counts."""
+    CTA counts; with `errors`, each version's error against the reference too."""
     inp = make_inputs(*case)
     current = versions[0][1]
     names = [name + (" (= current)" if i and cfg == current else "") for i, (name, cfg) in enumerate(versions)]
@@ -246,17 +258,20 @@ def run_case(case, versions, rounds, per_round, bandwidth, ctas=()):
     # the variants' outputs against the current kernel's, same inputs and plan (the timing loop checks nothing)
     ref = outputs_of(fns[0])
     same = [compare_outputs(ref, outputs_of(fn)) for fn in fns[1:len(versions)]]
+    errs = reference_errors(inp, fns[:len(versions)]) if errors else []
     print(f"H{heads} q{q_len} page {page} {kv_len} x B{batch} (KV floor {floor * 1e6:.1f} us; current: "
           f"{current.rows_per_block} rows, {current.num_stages} stages, {current.p_planes} P planes):")
     for i, (name, t) in enumerate(zip(names, times)):
         med = statistics.median(t)
         spread = (max(t) - min(t)) / med
         check = f"  outputs {same[i - 1]}" if 0 < i < len(versions) else ""
+        if i < len(errs):
+            check += f"  error {errs[i]:.2e}"
         print(f"  {name:>24}: {med * 1e6:8.1f} us  {med / floor:5.3f} x floor  {kv_bytes / med / 1e12:.2f} TB/s "
               f"of KV  (min {min(t) * 1e6:.1f}, spread {spread:.1%}){check}")
 
 
-def run(cases, variants, rounds=8, per_round=5, rows_per_block=None, ctas=(), prog=PROG) -> int:
+def run(cases, variants, rounds=8, per_round=5, rows_per_block=None, ctas=(), prog=PROG, errors=False) -> int:
     """Time the current configuration and each (name, overrides) of `variants` on every case (heads, q_len, page,
     kv, batch). Every configuration is resolved first, then compiled: one that is invalid or does not build is a
     one-line error (2), as is no GPU."""
@@ -276,7 +291,7 @@ def run(cases, variants, rounds=8, per_round=5, rows_per_block=None, ctas=(), pr
     bandwidth = measure_read_bandwidth()
     print(f"read bandwidth {bandwidth / 1e12:.2f} TB/s")
     for case, vs in zip(cases, versions):
-        run_case(case, vs, rounds, per_round, bandwidth, ctas)
+        run_case(case, vs, rounds, per_round, bandwidth, ctas, errors)
     return 0
 
 
@@ -295,6 +310,8 @@ def main(argv=None) -> int:
                    help="query rows per CTA for every version (16, 32, 48 or 64; default: the runtime's)")
     p.add_argument("--ctas", type=int, action="append", default=[],
                    help="also time the current kernel on a plan of this many CTAs (default: plan.default_num_ctas)")
+    p.add_argument("--error", action="store_true",
+                   help="also each version's relative L2 error against the fp32 reference on the same inputs")
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--per-round", type=int, default=5)
     args = p.parse_args(argv)
@@ -303,7 +320,7 @@ def main(argv=None) -> int:
         variants = [(spec, parse_variant(spec)) for spec in args.variant]
     except ValueError as err:
         return error(PROG, err)
-    return run(cases, variants, args.rounds, args.per_round, args.rows_per_block, args.ctas)
+    return run(cases, variants, args.rounds, args.per_round, args.rows_per_block, args.ctas, errors=args.error)
 
 
 if __name__ == "__main__":

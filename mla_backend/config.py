@@ -101,7 +101,10 @@ class DecodeConfig:
     rows_per_block 16 runs the ping-pong schedule (`hopper/decode_rows16.py`), 32, 48 and 64 the S^T-warpgroup
     schedule, its KV by TMA (`hopper/decode_swg_tma.py`, the default) or by cp.async (`kv_loads="cp_async"`,
     `hopper/decode_swg.py`); `kv_refill` orders the TMA schedule's refills and `kv_box_tokens` sizes its boxes
-    (KV_BOX_TOKENS). `skip` and `timeline` are research builds (benchmarks/): `skip` leaves
+    (KV_BOX_TOKENS). `lazy_rescale` (research) keeps each row's reference max until a chunk's max passes it by
+    more than P's headroom in e4m3 (`softmax.rescale_slack`), so that most chunks rescale no row and the O^T
+    rescale of a thread whose alphas are all 1 is skipped; the default moves it with every new max, which keeps
+    the top token's p exactly 1 (lazily it lies in [1, 1.7) and takes e4m3's rounding like the others). `skip` and `timeline` are research builds (benchmarks/): `skip` leaves
     parts of the work out, `timeline` stores SM clock stamps of chunks [timeline, timeline + TIMELINE_CHUNKS) of
     each stamped CTA into the workspace's last slot."""
 
@@ -121,6 +124,7 @@ class DecodeConfig:
     kv_loads: str = "cp_async"
     kv_refill: str = KV_REFILLS[0]
     kv_box_tokens: int = 32
+    lazy_rescale: bool = False
 
     def __post_init__(self):
         if self.page_size <= 0 or self.page_size & (self.page_size - 1):

@@ -75,6 +75,30 @@ def merge_partials(partial_out: Tensor, partial_lse: Tensor) -> Tuple[Tensor, Te
     return out, lse
 
 
+def merge_decode_outputs(plan, out: Tensor, lse: Tensor, partial_out: Tensor, partial_lse: Tensor,
+                         k_scale: Tensor) -> Tuple[Tensor, Tensor]:
+    """The final (fp32) out and lse of one decode kernel launch: its direct writes for requests of one split, the
+    LSE merge of its partials (fp16, in units of k_scale) for the others, as the combine kernel computes it."""
+    out = out.float().clone()
+    lse = lse.clone()
+    num_splits = plan.num_splits.cpu().tolist()
+    offsets = plan.split_offset.cpu().tolist()
+    for b in range(out.shape[0]):
+        n = num_splits[b]
+        if n > 1:
+            o, l = merge_partials(partial_out[offsets[b]:offsets[b] + n].float() * k_scale,
+                                  partial_lse[offsets[b]:offsets[b] + n])
+            out[b] = o
+            lse[b] = l
+    return out, lse
+
+
+def relative_l2_error(out: Tensor, ref: Tensor) -> float:
+    """||out - ref|| / ||ref|| in fp32."""
+    ref = ref.float()
+    return ((out.float() - ref).norm() / ref.norm()).item()
+
+
 def _prepare(q, kv_cache, q_scale, k_scale, softmax_scale):
     kv = canonical_kv_cache(kv_cache)
     qf = quantize_q(q, q_scale).float()

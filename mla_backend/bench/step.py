@@ -46,11 +46,6 @@ from .timing import (ALONE_NAMES, KERNEL_NAMES, L2_FLUSH_BYTES, SPIN_CYCLES, cap
                      trace_kernel_durations)
 
 
-def _relative_error(out, ref) -> float:
-    ref = ref.float()
-    return ((out.float() - ref).norm() / ref.norm()).item()
-
-
 def _time_parts(case: Case, inp, kernel_times: bool) -> None:
     """The planner and the combine alone (graph replays, L2 warm: their inputs are small). The spin kernel first:
     20 replays of a few-us graph are enqueued while it runs, so the events time the GPU (each kernel plus the gap
@@ -86,7 +81,7 @@ def _time_parts(case: Case, inp, kernel_times: bool) -> None:
 def run_case(case: Case, bandwidth: float, fp8_flops: float, reps: int, check: bool, kernel_times: bool = False,
              flush_mode: str = "read", kv_pool: Optional[torch.Tensor] = None, page_order: str = "random",
              peer: Optional[str] = None, peer_path: Optional[str] = None):
-    from ..reference import mla_decode_reference
+    from ..reference import mla_decode_reference, relative_l2_error
 
     inp = case_inputs(case, kv_pool, page_order)
 
@@ -105,9 +100,9 @@ def run_case(case: Case, bandwidth: float, fp8_flops: float, reps: int, check: b
     if check or peer_fn is not None:
         ref_out, _ = mla_decode_reference(inp.q, inp.kv, inp.block_table, inp.seq_lens,
                                           softmax_scale=inp.softmax_scale, q_scale=inp.q_scale, k_scale=inp.k_scale)
-        case.results["rel_err"] = _relative_error(inp.out, ref_out)
+        case.results["rel_err"] = relative_l2_error(inp.out, ref_out)
         if peer_fn is not None:
-            case.results["peer_rel_err"] = _relative_error(peer_fn.out, ref_out)
+            case.results["peer_rel_err"] = relative_l2_error(peer_fn.out, ref_out)
         del ref_out
     graph = capture(step)
     peer_graph = capture(peer_fn) if peer_fn is not None else None

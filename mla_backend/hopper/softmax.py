@@ -16,6 +16,15 @@ from cutlass import Float32, Int32
 
 from .ptx import fence_proxy_async_smem, quantize_p_e4m3, quantize_p_hi_lo
 
+E4M3_MAX = 448.0
+
+
+def rescale_slack(p_scale: float) -> float:
+    """How far (base 2) a chunk's max may pass a row's reference max before the reference moves (lazy rescale):
+    p = exp2(s - reference) then stays <= E4M3_MAX / p_scale, so p * p_scale is still a normal e4m3 value and
+    keeps e4m3's relative precision (1.75 at p_scale 256, less a margin for exp2's approximation)."""
+    return math.log2(E4M3_MAX / p_scale) - 0.05
+
 
 class OnlineSoftmax:
     """Mixin of the decode kernels (`decode_common.MLADecodeSM90`): needs self.cfg, self.tpr,
@@ -75,6 +84,11 @@ class OnlineSoftmax:
                 self._issue_pv_part(acc_O, vt, p_prev, 0, 4, True)
         else:
             new_max = cute.arch.fmax(row_max, cmax)
+            if cutlass.const_expr(self.cfg.lazy_rescale):
+                # the reference max stays while the chunk's max passes it by at most the slack: alpha is then
+                # exactly 1 and the row needs no rescale (with row_max = -inf no finite cmax is within it)
+                if cmax <= row_max + rescale_slack(SCALE):
+                    new_max = row_max
             use_max = new_max
             if new_max == -Float32.inf:
                 use_max = Float32(0.0)

@@ -173,25 +173,6 @@ def test_no_spills(tmp_path, num_heads, q_len, page_size, rows, planes):
         assert ("cp.async.cg.shared.global.L2::128B" in f.read()) == pingpong
 
 
-def _merge_kernel_outputs(plan, seq_lens, out, lse, partial_out, partial_lse, k_scale):
-    """Final out/lse from the kernel's direct writes and (for split requests) its partials (fp16, in units of
-    k_scale)."""
-    from mla_backend.reference import merge_partials
-
-    out = out.float().clone()
-    lse = lse.clone()
-    num_splits = plan.num_splits.cpu().tolist()
-    offsets = plan.split_offset.cpu().tolist()
-    for b in range(seq_lens.shape[0]):
-        n = num_splits[b]
-        if n > 1:
-            o, l = merge_partials(partial_out[offsets[b]:offsets[b] + n].float() * k_scale,
-                                  partial_lse[offsets[b]:offsets[b] + n])
-            out[b] = o
-            lse[b] = l
-    return out, lse
-
-
 ROWS_48 = {"rows_per_block": 48}
 ROWS_64 = {"rows_per_block": 64}
 ROWS_32 = {"rows_per_block": 32}
@@ -224,6 +205,10 @@ GPU_CASES = [
     (12, 8, 32, 64, True, [8, 9, 100, 1000, 4000, 65], 9, {**ROWS_48, "kv_refill": "after_store"}),
     # half-chunk boxes on pages of 64 (the cases above with pages and tiles of 64 load whole-chunk boxes)
     (128, 1, 64, 64, True, [1, 700, 3000, 64], 8, {**ROWS_64, "kv_box_tokens": 32}),
+    # the running max kept within the slack of e4m3's headroom (lazy_rescale, research)
+    (12, 1, 32, 64, True, [1, 31, 32, 33, 65, 700, 4000, 130], 16, {"lazy_rescale": True}),
+    (12, 8, 32, 64, True, [8, 9, 100, 1000, 4000, 65], 9, {**ROWS_48, "lazy_rescale": True}),
+    (128, 1, 64, 64, True, [1, 700, 3000, 64], 8, {**ROWS_64, "lazy_rescale": True}),
 ]
 
 
@@ -236,7 +221,7 @@ def test_matches_reference_gpu(num_heads, q_len, page_size, tile_tokens, causal,
     from mla_backend.config import decode_config
     from mla_backend.hopper.decode import run_decode
     from mla_backend.plan import plan_splits
-    from mla_backend.reference import mla_decode_reference
+    from mla_backend.reference import merge_decode_outputs, mla_decode_reference
 
     dev = "cuda"
     q, kv, bt, seq, qs, ks = make_decode_inputs(lengths, q_len=q_len, num_heads=num_heads, page_size=page_size,
@@ -254,13 +239,54 @@ def test_matches_reference_gpu(num_heads, q_len, page_size, tile_tokens, causal,
     run_decode(cfg, q, kv, bt, seq, softmax_scale, qs, ks, plan, out, lse, partial_out, partial_lse,
                torch.cuda.current_stream())
     torch.cuda.synchronize()
-    got_out, got_lse = _merge_kernel_outputs(plan, seq, out, lse, partial_out, partial_lse, ks)
+    got_out, got_lse = merge_decode_outputs(plan, out, lse, partial_out, partial_lse, ks)
     ref_out, ref_lse = mla_decode_reference(q, kv, bt, seq, softmax_scale=softmax_scale, q_scale=qs, k_scale=ks,
                                             causal=causal)
     busy = [b for b, n in enumerate(lengths) if n > 0]  # requests without KV are the combine kernel's job
     for b in busy:
         torch.testing.assert_close(got_lse[b], ref_lse[b], atol=2e-3, rtol=1e-3)
         torch.testing.assert_close(got_out[b], ref_out[b].float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_heads,q_len,page_size,rows", [(12, 1, 32, 16), (12, 8, 64, 48), (128, 1, 64, 64)])
+@pytest.mark.parametrize("lazy", [True, False])
+def test_rising_scores_move_the_reference_max_gpu(num_heads, q_len, page_size, rows, lazy):
+    """Keys that grow along the sequence (scores rising by several times the lazy rescale's slack per chunk, and
+    a few tokens that jump far above the rest) match the reference with the running max kept lazily or exactly."""
+    sys.path.insert(0, os.path.join(REPO, "tests"))
+    from mla_inputs import make_decode_inputs
+
+    from mla_backend.config import decode_config
+    from mla_backend.hopper.decode import run_decode
+    from mla_backend.plan import plan_splits
+    from mla_backend.reference import merge_decode_outputs, mla_decode_reference, relative_l2_error
+
+    dev = "cuda"
+    lengths = [3000, 700]
+    q, kv, bt, seq, qs, ks = make_decode_inputs(lengths, q_len=q_len, num_heads=num_heads, page_size=page_size,
+                                                device=dev, seed=3)
+    for b, n in enumerate(lengths):
+        tok = torch.arange(n, device=dev)
+        pages, slots = bt[b, tok // page_size].long(), tok % page_size
+        gain = 0.5 + 3.0 * tok.float() / n
+        gain[tok % 997 == 500] = 6.0
+        kv[pages, slots] = (kv[pages, slots].float() * gain[:, None]).to(kv.dtype)
+    plan = plan_splits(seq, q_len=q_len, num_heads=num_heads, page_size=page_size, num_ctas=8)
+    batch = len(lengths)
+    out = torch.full((batch, q_len, num_heads, 512), float("nan"), dtype=torch.bfloat16, device=dev)
+    lse = torch.full((batch, q_len, num_heads), float("nan"), dtype=torch.float32, device=dev)
+    partial_out = torch.full((plan.num_slots, q_len, num_heads, 512), float("nan"), dtype=torch.float16, device=dev)
+    partial_lse = torch.full((plan.num_slots, q_len, num_heads), float("nan"), device=dev)
+    cfg = decode_config(num_heads, q_len, page_size, rows_per_block=rows, lazy_rescale=lazy)
+    run_decode(cfg, q, kv, bt, seq, 576 ** -0.5, qs, ks, plan, out, lse, partial_out, partial_lse,
+               torch.cuda.current_stream())
+    torch.cuda.synchronize()
+    got_out, got_lse = merge_decode_outputs(plan, out, lse, partial_out, partial_lse, ks)
+    ref_out, ref_lse = mla_decode_reference(q, kv, bt, seq, softmax_scale=576 ** -0.5, q_scale=qs, k_scale=ks)
+    for b in range(batch):
+        torch.testing.assert_close(got_lse[b], ref_lse[b], atol=2e-3, rtol=1e-3)
+        assert relative_l2_error(got_out[b], ref_out[b]) < 2e-2
 
 
 def test_s_warpgroup_register_budgets_add_up():
