@@ -14,8 +14,9 @@ sets (rows_per_block=48 alone also takes 48 rows' ring stages and P planes). Eve
 the runtime's kernel (`hopper.decode.compile_decode`) and timed next to the default configuration ("current"),
 in rounds that alternate between the versions, so that clock and thermal drift hit all of them alike, and each
 variant's outputs (final rows and partials, one call on the same inputs and plan) are compared with the current
-kernel's: "identical" or the largest difference. A bad SPEC is an error naming it (exit 2), before anything
-runs. A change to the kernel's code is timed by running this tool on each commit, or, when it is worth keeping
+kernel's: "identical" or the largest difference; `--error` adds every version's relative L2 error against the
+fp32 reference (`mla_backend.reference`) on the same inputs, its partials merged as the combine merges them. A
+bad SPEC is an error naming it (exit 2), before anything runs. A change to the kernel's code is timed by running this tool on each commit, or, when it is worth keeping
 as a choice, by a configuration field that selects it.
 
 Timing: one launch per sample, CUDA events around it, after a ~200 us spin kernel, so that the GPU is still
