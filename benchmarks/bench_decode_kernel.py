@@ -15,8 +15,9 @@ the runtime's kernel (`hopper.decode.compile_decode`) and timed next to the defa
 in rounds that alternate between the versions, so that clock and thermal drift hit all of them alike, and each
 variant's outputs (final rows and partials, one call on the same inputs and plan) are compared with the current
 kernel's: "identical" or the largest difference; `--error` adds every version's relative L2 error against the
-fp32 reference (`mla_backend.reference`) on the same inputs, its partials merged as the combine merges them. A
-bad SPEC is an error naming it (exit 2), before anything runs. A change to the kernel's code is timed by running this tool on each commit, or, when it is worth keeping
+fp32 reference (`mla_backend.reference`) on the same inputs, its partials merged as the combine merges them
+(`--inputs rising` swaps the bench's random KV for keys rising along each request, `rise_keys`). A bad SPEC is an
+error naming it (exit 2), before anything runs. A change to the kernel's code is timed by running this tool on each commit, or, when it is worth keeping
 as a choice, by a configuration field that selects it.
 
 Timing: one launch per sample, CUDA events around it, after a ~200 us spin kernel, so that the GPU is still
@@ -160,13 +161,37 @@ def _time_once(fn) -> float:
     return start.elapsed_time(end) * 1e-3
 
 
-def make_inputs(heads, q_len, page, kv_len, batch):
+INPUTS = ("bench", "rising")
+
+
+def rise_keys(inp) -> None:
+    """`--inputs rising`: Gaussian KV (sigma 2) whose tokens grow along each request from 0.5x to 3.5x, with every
+    997th token (from the 500th) at 6x, and unit q / k scales: rows whose max keeps moving by small steps, some
+    tokens far above the rest (where the lazy rescale leaves the top token's p off 1)."""
+    torch.manual_seed(1)
+    page = inp.kv.shape[1]
+    kv = torch.randn(inp.kv.shape, device=inp.kv.device) * 2
+    for b, n in enumerate(inp.seq_lens.tolist()):
+        tok = torch.arange(n, device=kv.device)
+        gain = 0.5 + 3.0 * tok.float() / max(n, 1)
+        gain[tok % 997 == 500] = 6.0
+        pages, slots = inp.block_table[b, tok // page].long(), tok % page
+        kv[pages, slots] *= gain[:, None]
+    inp.kv.copy_(kv.to(inp.kv.dtype))
+    inp.q_scale.fill_(1.0)
+    inp.k_scale.fill_(1.0)
+
+
+def make_inputs(heads, q_len, page, kv_len, batch, inputs="bench"):
     """The step bench's inputs for `batch` requests of kv_len tokens (`mla_backend.bench.cases.case_inputs`: random
-    FP8 q and KV, seed 0, pages in random order), with its plan computed."""
+    FP8 q and KV, seed 0, pages in random order), with its plan computed; `inputs="rising"` replaces the KV and
+    the scales (`rise_keys`)."""
     from mla_backend.bench.cases import Case, case_inputs
 
     case = Case(f"H{heads} q{q_len} page {page} {kv_len} x B{batch}", [kv_len] * batch, heads, q_len, page)
     inp = case_inputs(case)
+    if inputs == "rising":
+        rise_keys(inp)
     inp.plan_step(case)
     return inp
 
@@ -232,10 +257,10 @@ def reference_errors(inp, fns):
             for fn in fns]
 
 
-def run_case(case, versions, rounds, per_round, bandwidth, ctas=(), errors=False):
-    """Time every (name, config) of `versions` on one case; with `ctas`, the current kernel also on plans of those
-    CTA counts; with `errors`, each version's error against the reference too."""
-    inp = make_inputs(*case)
+def run_case(case, versions, rounds, per_round, bandwidth, ctas=(), errors=False, inputs="bench"):
+    """Time every (name, config) of `versions` on one case (inputs of `make_inputs`); with `ctas`, the current
+    kernel also on plans of those CTA counts; with `errors`, each version's error against the reference too."""
+    inp = make_inputs(*case, inputs=inputs)
     current = versions[0][1]
     names = [name + (" (= current)" if i and cfg == current else "") for i, (name, cfg) in enumerate(versions)]
     fns = [decode_fn(cfg, inp) for _, cfg in versions]
@@ -272,7 +297,8 @@ def run_case(case, versions, rounds, per_round, bandwidth, ctas=(), errors=False
               f"of KV  (min {min(t) * 1e6:.1f}, spread {spread:.1%}){check}")
 
 
-def run(cases, variants, rounds=8, per_round=5, rows_per_block=None, ctas=(), prog=PROG, errors=False) -> int:
+def run(cases, variants, rounds=8, per_round=5, rows_per_block=None, ctas=(), prog=PROG, errors=False,
+        inputs="bench") -> int:
     """Time the current configuration and each (name, overrides) of `variants` on every case (heads, q_len, page,
     kv, batch). Every configuration is resolved first, then compiled: one that is invalid or does not build is a
     one-line error (2), as is no GPU."""
@@ -292,7 +318,7 @@ def run(cases, variants, rounds=8, per_round=5, rows_per_block=None, ctas=(), pr
     bandwidth = measure_read_bandwidth()
     print(f"read bandwidth {bandwidth / 1e12:.2f} TB/s")
     for case, vs in zip(cases, versions):
-        run_case(case, vs, rounds, per_round, bandwidth, ctas, errors)
+        run_case(case, vs, rounds, per_round, bandwidth, ctas, errors, inputs)
     return 0
 
 
@@ -313,6 +339,8 @@ def main(argv=None) -> int:
                    help="also time the current kernel on a plan of this many CTAs (default: plan.default_num_ctas)")
     p.add_argument("--error", action="store_true",
                    help="also each version's relative L2 error against the fp32 reference on the same inputs")
+    p.add_argument("--inputs", choices=INPUTS, default="bench",
+                   help="the step bench's random inputs, or KV rising along each request (rise_keys)")
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--per-round", type=int, default=5)
     args = p.parse_args(argv)
@@ -321,7 +349,8 @@ def main(argv=None) -> int:
         variants = [(spec, parse_variant(spec)) for spec in args.variant]
     except ValueError as err:
         return error(PROG, err)
-    return run(cases, variants, args.rounds, args.per_round, args.rows_per_block, args.ctas, errors=args.error)
+    return run(cases, variants, args.rounds, args.per_round, args.rows_per_block, args.ctas, errors=args.error,
+               inputs=args.inputs)
 
 
 if __name__ == "__main__":

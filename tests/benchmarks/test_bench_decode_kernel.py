@@ -91,3 +91,27 @@ def test_compare_outputs_is_bitwise_and_reports_the_largest_difference():
     assert bk.compare_outputs(ref, got) == "DIFFERENT (max |diff| 0.25)"
     got = [ref[0].clone(), torch.tensor([float("nan"), float("-inf")])]
     assert bk.compare_outputs(ref, got) == "DIFFERENT (max |diff| inf)"
+
+
+def test_rising_inputs_grow_each_requests_keys_along_its_tokens():
+    """`--inputs rising`: every request's tokens, found through its block table, scaled by 0.5 -> 3.5 along the
+    request with every 997th token (from the 500th) at 6x; q and k scales set to 1."""
+    import types
+
+    import torch
+
+    page, lengths = 32, [2000, 600]
+    pages = torch.randperm(sum(-(-n // page) for n in lengths) + 1, generator=torch.Generator().manual_seed(0))
+    block_table = torch.stack([pages[:63], torch.cat([pages[63:82], torch.zeros(44, dtype=torch.long)])]).int()
+    inp = types.SimpleNamespace(kv=torch.zeros(len(pages), page, 576, dtype=torch.float8_e4m3fn),
+                                block_table=block_table, seq_lens=torch.tensor(lengths, dtype=torch.int32),
+                                q_scale=torch.tensor([0.05]), k_scale=torch.tensor([0.05]))
+    bk.rise_keys(inp)
+    assert float(inp.q_scale) == float(inp.k_scale) == 1.0
+    for b, n in enumerate(lengths):
+        tok = torch.arange(n)
+        rows = inp.kv[block_table[b, tok // page].long(), tok % page].float()
+        gain = 0.5 + 3.0 * tok.float() / n
+        gain[tok % 997 == 500] = 6.0
+        ratio = rows.abs().mean(dim=1) / gain  # ~ E|N(0, 2)| for every token
+        assert ratio.std() / ratio.mean() < 0.1
