@@ -246,15 +246,14 @@ def compare_outputs(ref, got) -> str:
     return f"DIFFERENT (max |diff| {worst:.3g})"
 
 
-def reference_errors(inp, fns):
-    """The relative L2 error of each launch's final output (its partials merged as the combine merges them)
-    against the fp32 reference on the same inputs."""
+def reference_errors(inp, outputs):
+    """The relative L2 error of each launch's final output (`outputs_of`; its partials merged as the combine
+    merges them) against the fp32 reference on the same inputs."""
     from mla_backend.reference import merge_decode_outputs, mla_decode_reference, relative_l2_error
 
     ref_out, _ = mla_decode_reference(inp.q, inp.kv, inp.block_table, inp.seq_lens, softmax_scale=inp.softmax_scale,
                                       q_scale=inp.q_scale, k_scale=inp.k_scale)
-    return [relative_l2_error(merge_decode_outputs(inp.plan, *outputs_of(fn), inp.k_scale)[0], ref_out)
-            for fn in fns]
+    return [relative_l2_error(merge_decode_outputs(inp.plan, *out, inp.k_scale)[0], ref_out) for out in outputs]
 
 
 def run_case(case, versions, rounds, per_round, bandwidth, ctas=(), errors=False, inputs="bench"):
@@ -282,9 +281,9 @@ def run_case(case, versions, rounds, per_round, bandwidth, ctas=(), errors=False
     floor = kv_bytes / bandwidth
     heads, q_len, page, kv_len, batch = case
     # the variants' outputs against the current kernel's, same inputs and plan (the timing loop checks nothing)
-    ref = outputs_of(fns[0])
-    same = [compare_outputs(ref, outputs_of(fn)) for fn in fns[1:len(versions)]]
-    errs = reference_errors(inp, fns[:len(versions)]) if errors else []
+    outputs = [outputs_of(fn) for fn in fns[:len(versions)]]
+    same = [compare_outputs(outputs[0], out) for out in outputs[1:]]
+    errs = reference_errors(inp, outputs) if errors else []
     print(f"H{heads} q{q_len} page {page} {kv_len} x B{batch} (KV floor {floor * 1e6:.1f} us; current: "
           f"{current.rows_per_block} rows, {current.num_stages} stages, {current.p_planes} P planes):")
     for i, (name, t) in enumerate(zip(names, times)):

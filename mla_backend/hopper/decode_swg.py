@@ -131,13 +131,20 @@ class MLADecodeSwgSM90(MLADecodeSM90):
                 next_b = after_b
                 after_a = self._lookup_page(mBT, b, tok_begin + (j + NS + 1) * C, tok_end, tw)
                 after_b = self._lookup_page(mBT, b, tok_begin + (j + NS + 1) * C + C // 2, tok_end, tw)
-            if n_chunks > 0:
-                cute.arch.barrier(barrier_id=S_FREE + (n_chunks - 1) % 2, number_of_threads=NT)
-            cute.arch.cp_async_wait_group(0)
-            cute.arch.barrier()  # segment end: sQ and the ring are free, sInvL written
-            cute.arch.barrier()  # the outputs are written
+            self._end_segment_s(n_chunks)
             g = seg_end
             b = b + 1
+
+    @cute.jit
+    def _end_segment_s(self, n_chunks: Int32):
+        """The S^T warpgroup's end of a segment: S_FREE of its last chunk (whose S^T and V^T the softmax warpgroups
+        have read), its own copies done (a segment without chunks still loaded Q), then the two CTA barriers the
+        softmax warpgroups meet at the segment's end."""
+        if n_chunks > 0:
+            cute.arch.barrier(barrier_id=S_FREE + (n_chunks - 1) % 2, number_of_threads=self.num_threads)
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.barrier()  # segment end: sQ and the ring are free, sInvL written
+        cute.arch.barrier()  # the outputs are written
 
     @cute.jit
     def _load_q_block(self, cta: CTAContext, tw: Int32, b: Int32):

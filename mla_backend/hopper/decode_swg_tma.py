@@ -104,11 +104,7 @@ class MLADecodeSwgTmaSM90(MLADecodeSwgSM90):
                 next_a = after_a
                 next_b = after_b
                 after_a, after_b = self._lookup_chunk_pages(mBT, b, tok_begin + (j + NS + 1) * C, tok_end)
-            if n_chunks > 0:
-                cute.arch.barrier(barrier_id=S_FREE + (n_chunks - 1) % 2, number_of_threads=NT)
-            cute.arch.cp_async_wait_group(0)  # a segment without chunks still loaded Q
-            cute.arch.barrier()  # segment end: sQ and the ring are free, sInvL written
-            cute.arch.barrier()  # the outputs are written
+            self._end_segment_s(n_chunks)
             g = seg_end
             b = b + 1
 

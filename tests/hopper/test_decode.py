@@ -212,6 +212,24 @@ GPU_CASES = [
 ]
 
 
+def _decode_merged(cfg, q, kv, bt, seq, softmax_scale, qs, ks, plan):
+    """One decode launch of `cfg` into NaN-filled outputs, then its final out / lse (partials merged:
+    `reference.merge_decode_outputs`)."""
+    from mla_backend.hopper.decode import run_decode
+    from mla_backend.reference import merge_decode_outputs
+
+    batch, q_len, num_heads, _ = q.shape
+    dev = q.device
+    out = torch.full((batch, q_len, num_heads, 512), float("nan"), dtype=torch.bfloat16, device=dev)
+    lse = torch.full((batch, q_len, num_heads), float("nan"), dtype=torch.float32, device=dev)
+    partial_out = torch.full((plan.num_slots, q_len, num_heads, 512), float("nan"), dtype=torch.float16, device=dev)
+    partial_lse = torch.full((plan.num_slots, q_len, num_heads), float("nan"), device=dev)
+    run_decode(cfg, q, kv, bt, seq, softmax_scale, qs, ks, plan, out, lse, partial_out, partial_lse,
+               torch.cuda.current_stream())
+    torch.cuda.synchronize()
+    return merge_decode_outputs(plan, out, lse, partial_out, partial_lse, ks)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_heads,q_len,page_size,tile_tokens,causal,lengths,num_ctas,options", GPU_CASES)
 def test_matches_reference_gpu(num_heads, q_len, page_size, tile_tokens, causal, lengths, num_ctas, options):
@@ -219,9 +237,8 @@ def test_matches_reference_gpu(num_heads, q_len, page_size, tile_tokens, causal,
     from mla_inputs import make_decode_inputs
 
     from mla_backend.config import decode_config
-    from mla_backend.hopper.decode import run_decode
     from mla_backend.plan import plan_splits
-    from mla_backend.reference import merge_decode_outputs, mla_decode_reference
+    from mla_backend.reference import mla_decode_reference
 
     dev = "cuda"
     q, kv, bt, seq, qs, ks = make_decode_inputs(lengths, q_len=q_len, num_heads=num_heads, page_size=page_size,
@@ -229,17 +246,9 @@ def test_matches_reference_gpu(num_heads, q_len, page_size, tile_tokens, causal,
     softmax_scale = 576 ** -0.5
     plan = plan_splits(seq, q_len=q_len, num_heads=num_heads, page_size=page_size, tile_tokens=tile_tokens,
                        num_ctas=num_ctas)
-    batch = len(lengths)
-    out = torch.full((batch, q_len, num_heads, 512), float("nan"), dtype=torch.bfloat16, device=dev)
-    lse = torch.full((batch, q_len, num_heads), float("nan"), dtype=torch.float32, device=dev)
-    partial_out = torch.full((plan.num_slots, q_len, num_heads, 512), float("nan"), dtype=torch.float16, device=dev)
-    partial_lse = torch.full((plan.num_slots, q_len, num_heads), float("nan"), device=dev)
     cfg = decode_config(num_heads, q_len, page_size, tile_tokens=tile_tokens, causal=causal, p_precision="fp8x2",
                         **options)
-    run_decode(cfg, q, kv, bt, seq, softmax_scale, qs, ks, plan, out, lse, partial_out, partial_lse,
-               torch.cuda.current_stream())
-    torch.cuda.synchronize()
-    got_out, got_lse = merge_decode_outputs(plan, out, lse, partial_out, partial_lse, ks)
+    got_out, got_lse = _decode_merged(cfg, q, kv, bt, seq, softmax_scale, qs, ks, plan)
     ref_out, ref_lse = mla_decode_reference(q, kv, bt, seq, softmax_scale=softmax_scale, q_scale=qs, k_scale=ks,
                                             causal=causal)
     busy = [b for b, n in enumerate(lengths) if n > 0]  # requests without KV are the combine kernel's job
@@ -258,9 +267,8 @@ def test_rising_scores_move_the_reference_max_gpu(num_heads, q_len, page_size, r
     from mla_inputs import make_decode_inputs
 
     from mla_backend.config import decode_config
-    from mla_backend.hopper.decode import run_decode
     from mla_backend.plan import plan_splits
-    from mla_backend.reference import merge_decode_outputs, mla_decode_reference, relative_l2_error
+    from mla_backend.reference import mla_decode_reference, relative_l2_error
 
     dev = "cuda"
     lengths = [3000, 700]
@@ -273,18 +281,10 @@ def test_rising_scores_move_the_reference_max_gpu(num_heads, q_len, page_size, r
         gain[tok % 997 == 500] = 6.0
         kv[pages, slots] = (kv[pages, slots].float() * gain[:, None]).to(kv.dtype)
     plan = plan_splits(seq, q_len=q_len, num_heads=num_heads, page_size=page_size, num_ctas=8)
-    batch = len(lengths)
-    out = torch.full((batch, q_len, num_heads, 512), float("nan"), dtype=torch.bfloat16, device=dev)
-    lse = torch.full((batch, q_len, num_heads), float("nan"), dtype=torch.float32, device=dev)
-    partial_out = torch.full((plan.num_slots, q_len, num_heads, 512), float("nan"), dtype=torch.float16, device=dev)
-    partial_lse = torch.full((plan.num_slots, q_len, num_heads), float("nan"), device=dev)
     cfg = decode_config(num_heads, q_len, page_size, rows_per_block=rows, lazy_rescale=lazy)
-    run_decode(cfg, q, kv, bt, seq, 576 ** -0.5, qs, ks, plan, out, lse, partial_out, partial_lse,
-               torch.cuda.current_stream())
-    torch.cuda.synchronize()
-    got_out, got_lse = merge_decode_outputs(plan, out, lse, partial_out, partial_lse, ks)
+    got_out, got_lse = _decode_merged(cfg, q, kv, bt, seq, 576 ** -0.5, qs, ks, plan)
     ref_out, ref_lse = mla_decode_reference(q, kv, bt, seq, softmax_scale=576 ** -0.5, q_scale=qs, k_scale=ks)
-    for b in range(batch):
+    for b in range(len(lengths)):
         torch.testing.assert_close(got_lse[b], ref_lse[b], atol=2e-3, rtol=1e-3)
         assert relative_l2_error(got_out[b], ref_out[b]) < 2e-2
 
