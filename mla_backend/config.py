@@ -91,6 +91,10 @@ KV_REFILLS = ("under_s", "after_store")
 # the segments' tile starts, so TMA needs tiles of a multiple of 32 tokens (64 for the whole-chunk boxes, which
 # also need pages of 64).
 KV_BOX_TOKENS = (32, 64)
+# How the softmax / P.V warpgroups of 48 and 64 rows rescale O^T and issue P.V: all of O^T, then every wgmma
+# ("whole"), or a dim tile at a time, the multiplies of the next tile under the wgmmas of this one ("per_tile";
+# `default_pv_order`).
+PV_ORDERS = ("whole", "per_tile")
 TIMELINE_CHUNKS = 40  # chunks stamped per CTA by a timeline build (benchmarks/timeline_decode.py)
 
 
@@ -124,6 +128,7 @@ class DecodeConfig:
     kv_loads: str = "cp_async"
     kv_refill: str = KV_REFILLS[0]
     kv_box_tokens: int = 32
+    pv_order: str = PV_ORDERS[0]
     lazy_rescale: bool = False
 
     def __post_init__(self):
@@ -159,6 +164,10 @@ class DecodeConfig:
                              f"{self.page_size}, tile_tokens {self.tile_tokens}")
         if self.kv_refill not in KV_REFILLS:
             raise ValueError(f"kv_refill must be one of {KV_REFILLS}, got {self.kv_refill!r}")
+        if self.pv_order not in PV_ORDERS:
+            raise ValueError(f"pv_order must be one of {PV_ORDERS}, got {self.pv_order!r}")
+        if self.pv_order == "per_tile" and (self.rows_per_block not in (48, 64) or self.lazy_rescale):
+            raise ValueError("pv_order='per_tile' is an order of 48- and 64-row blocks without lazy_rescale")
         unknown = set(self.skip) - set(DECODE_PARTS)
         if unknown:
             raise ValueError(f"skip names unknown parts {sorted(unknown)}; known: {', '.join(DECODE_PARTS)}")
@@ -197,6 +206,15 @@ def default_kv_box_tokens(page_size: int, tile_tokens: int) -> int:
     return 64 if page_size % 64 == 0 and tile_tokens % 64 == 0 else 32
 
 
+def default_pv_order(rows_per_block: int, lazy_rescale: bool = False) -> str:
+    """"per_tile" for 48 rows (without the research switch lazy_rescale, whose skip it has no form for), "whole"
+    otherwise. H200, decode alone, one process, outputs identical, whole ->
+    per_tile: H12 q8 page 64 128K x B4 179.8 -> 169.0 and 180.1 -> 167.5 us, 1M x B1 338.2 -> 316.7 and 348.4 ->
+    324.5 (two runs); at 64 rows no faster (H128 q1 page 64 128K x B4 201.1 -> 206.2, H16 q4 page 64 1M x B2
+    404.0 -> 413.9), and ptxas spills 12 bytes there."""
+    return "per_tile" if rows_per_block == 48 and not lazy_rescale else "whole"
+
+
 def default_num_stages(rows_per_block: int) -> int:
     """KV ring stages: 4 up to 32 rows; 48 and 64 rows fit shared memory with 3 (Q and S^T grow with the rows)."""
     return 4 if rows_per_block <= 32 else 3
@@ -211,7 +229,8 @@ def p_planes_for(p_precision: str, rows_per_block: int) -> int:
 def decode_config(num_heads: int, q_len: int, page_size: int, *, tile_tokens: int = 64, causal: bool = True,
                   p_precision: Optional[str] = None, rows_per_block: Optional[int] = None,
                   num_stages: Optional[int] = None, p_planes: Optional[int] = None,
-                  kv_loads: Optional[str] = None, kv_box_tokens: Optional[int] = None, arch: str = "sm_90a",
+                  kv_loads: Optional[str] = None, kv_box_tokens: Optional[int] = None,
+                  pv_order: Optional[str] = None, arch: str = "sm_90a",
                   env: Optional[Environment] = None,
                   **research) -> DecodeConfig:
     """The decode configuration the runtime uses for a shape; keyword overrides are for tests and benchmarks."""
@@ -226,6 +245,8 @@ def decode_config(num_heads: int, q_len: int, page_size: int, *, tile_tokens: in
                         kv_loads=default_kv_loads(rows, tile_tokens) if kv_loads is None else kv_loads,
                         kv_box_tokens=(default_kv_box_tokens(page_size, tile_tokens) if kv_box_tokens is None
                                        else kv_box_tokens),
+                        pv_order=(default_pv_order(rows, research.get("lazy_rescale", False)) if pv_order is None
+                                  else pv_order),
                         pdl=env.pdl, arch=arch, **research)
 
 

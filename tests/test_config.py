@@ -149,3 +149,21 @@ def test_kv_boxes_follow_pages_and_tiles():
         decode_config(12, 8, 64, tile_tokens=32, kv_box_tokens=64)
     with pytest.raises(ValueError, match="kv_box_tokens must be one of"):
         decode_config(12, 8, 64, kv_box_tokens=16)
+
+
+def test_pv_order_by_rows_and_checked():
+    """48-row blocks rescale O^T and issue P.V a dim tile at a time, 64-row blocks all at once; per-tile is an
+    order of 48 and 64 rows only (32 rows issue P.V inside the softmax), and an unknown order is an error naming
+    the field."""
+    import pytest
+
+    from mla_backend.config import decode_config
+
+    assert decode_config(12, 8, 64).pv_order == "per_tile"  # 96 rows: two 48-row blocks
+    assert decode_config(128, 1, 64).pv_order == "whole"
+    assert decode_config(128, 1, 64, pv_order="per_tile").pv_order == "per_tile"
+    assert decode_config(12, 8, 64, lazy_rescale=True).pv_order == "whole"  # the research switch's own order
+    with pytest.raises(ValueError, match="pv_order='per_tile' is an order of 48- and 64-row blocks"):
+        decode_config(16, 2, 64, pv_order="per_tile")
+    with pytest.raises(ValueError, match="pv_order must be one of"):
+        decode_config(12, 8, 64, pv_order="tiles")

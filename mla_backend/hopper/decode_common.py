@@ -53,6 +53,7 @@ class MLADecodeSM90(PagedKVLoads, OnlineSoftmax, DecodeMMA, DecodeEpilogue):
     softmax_pool = SOFTMAX_THREADS  # threads that share one chunk's softmax (a power of two per row is used)
     l2_prefetch_copies = False  # KV copies with the L2::128B prefetch hint (`paged_kv`)
     all_dims_per_warpgroup = False  # each softmax warpgroup accumulates all 512 dims (else half of them)
+    s_rows_spread = False  # S^T's buffer rows spread over the banks (`decode_layout.s_logical_row`)
     launch_bounds: dict = {}
 
     def __init__(self, cfg: DecodeConfig):

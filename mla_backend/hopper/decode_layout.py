@@ -62,6 +62,16 @@ def p_words_layout(rows: int, planes: int):
                             stride=((1, P_LBO // 4), (4, P_SBO // 4), rows * 16, planes * rows * 16))
 
 
+def s_logical_row(buffer_row):
+    """The query row whose S^T sits in a buffer row of the S^T-warpgroup schedule, which spreads S^T's rows over
+    the banks: within each 8 rows, query row 2k + e is in buffer row k + 4e. The S^T warpgroup's stores of rows
+    8i + 2 lt + e (lt = 0..3, e fixed) then land in buffer rows 72 floats apart by lt, banks 8 lt + token: no two
+    lanes in one bank (in order, lt and lt + 2 met in one: 2-way); the softmax threads still read their rows'
+    64-bit pairs from 4 consecutive buffer rows per half warp, also without conflicts."""
+    k = buffer_row % 8
+    return buffer_row - k + (k % 4) * 2 + k // 4
+
+
 def s_full_layout(rows: int):
     """S^T of a whole chunk: (row, token, one part, buffer or warpgroup)."""
     return cute.make_layout((rows, CHUNK, 1, 2), stride=(S_STRIDE, 1, 0, rows * S_STRIDE))

@@ -29,7 +29,8 @@ from .ptx import (fence_operand, ldmatrix_x4, prmt, wgmma_commit, wgmma_fence, w
 
 
 class DecodeMMA:
-    """Mixin of the decode kernels (`decode_common.MLADecodeSM90`): needs self.cfg and self.rows."""
+    """Mixin of the decode kernels (`decode_common.MLADecodeSM90`): needs self.cfg, self.rows and
+    self.s_rows_spread."""
 
     @cute.jit
     def _issue_s(self, acc_S: cute.Tensor, ring_addr: Int32, q_addr: Int32, stage: Int32, k0: Int32,
@@ -74,11 +75,15 @@ class DecodeMMA:
             acc_S[i] = fence_operand(acc_S[i])
         for i in cutlass.range_constexpr(ROWS // 8 if self.cfg.runs("store_s") else 0):
             tok = wl * 16 + lg
-            r = i * 8 + 2 * lt
-            sS_chunk[r, tok, part] = acc_S[4 * i + 0]
-            sS_chunk[r + 1, tok, part] = acc_S[4 * i + 1]
-            sS_chunk[r, tok + 8, part] = acc_S[4 * i + 2]
-            sS_chunk[r + 1, tok + 8, part] = acc_S[4 * i + 3]
+            r0 = i * 8 + 2 * lt
+            r1 = r0 + 1
+            if cutlass.const_expr(self.s_rows_spread):  # decode_layout.s_logical_row
+                r0 = i * 8 + lt
+                r1 = r0 + 4
+            sS_chunk[r0, tok, part] = acc_S[4 * i + 0]
+            sS_chunk[r1, tok, part] = acc_S[4 * i + 1]
+            sS_chunk[r0, tok + 8, part] = acc_S[4 * i + 2]
+            sS_chunk[r1, tok + 8, part] = acc_S[4 * i + 3]
 
     @cute.jit
     def _rescale_o(self, acc_O: cute.Tensor, sAlpha: cute.Tensor, lt: Int32, skip_when_unit: cutlass.Constexpr):
@@ -110,12 +115,34 @@ class DecodeMMA:
     @cute.jit
     def _scale_rows(self, acc_O: cute.Tensor, als: cute.Tensor):
         """acc_O rows (see _rescale_o) times this thread's row factors als[2j + e]."""
+        for t in cutlass.range_constexpr(cute.size(acc_O) // (self.rows // 2)):
+            self._scale_tile(acc_O, als, t)
+
+    @cute.jit
+    def _scale_tile(self, acc_O: cute.Tensor, als: cute.Tensor, t: cutlass.Constexpr):
+        """Accumulator tile t of acc_O times this thread's row factors als[2j + e] (see _rescale_o)."""
         NA = self.rows // 2
         for j in cutlass.range_constexpr(self.rows // 8):
             for e in cutlass.range_constexpr(2):
-                for t in cutlass.range_constexpr(cute.size(acc_O) // NA):
-                    acc_O[t * NA + 4 * j + e] = acc_O[t * NA + 4 * j + e] * als[2 * j + e]
-                    acc_O[t * NA + 4 * j + 2 + e] = acc_O[t * NA + 4 * j + 2 + e] * als[2 * j + e]
+                acc_O[t * NA + 4 * j + e] = acc_O[t * NA + 4 * j + e] * als[2 * j + e]
+                acc_O[t * NA + 4 * j + 2 + e] = acc_O[t * NA + 4 * j + 2 + e] * als[2 * j + e]
+
+    @cute.jit
+    def _rescale_issue_pv(self, acc_O: cute.Tensor, sAlpha: cute.Tensor, lt: Int32, a_regs, p_addr: Int32):
+        """O^T *= alpha and O^T += V^T.P^T, one dim tile after the other (`config.PV_ORDERS`, "per_tile"): the
+        multiplies of tile t + 1 run while the wgmmas of tile t do, instead of all 128 before the first wgmma
+        (whose issue then waits on the tensor pipe with nothing left to do). Each tile's multiplies are ordered
+        before its wgmmas by a wgmma fence; one commit group for all."""
+        als = cute.make_rmem_tensor(cute.make_layout((self.rows // 4,)), Float32)
+        for j in cutlass.range_constexpr(self.rows // 8):
+            for e in cutlass.range_constexpr(2):
+                als[2 * j + e] = sAlpha[8 * j + 2 * lt + e]
+        for t in cutlass.range_constexpr(4):
+            if cutlass.const_expr(self.cfg.runs("rescale")):
+                self._scale_tile(acc_O, als, t)
+            wgmma_fence()
+            self._pv_wgmmas(acc_O, lambda tt, ks: a_regs[tt * (CHUNK // 32) + ks], p_addr, 0, t, t + 1)
+        wgmma_commit()
 
     @cute.jit
     def _issue_pv(self, acc_O: cute.Tensor, stage_addr: Int32, p_addr: Int32, acc_tile0: cutlass.Constexpr,

@@ -32,21 +32,24 @@ class OnlineSoftmax:
 
     @cute.jit
     def _softmax_chunk(self, sS_chunk: cute.Tensor, sPw_buf: cute.Tensor, row_max: Float32, row_sum: Float32,
-                       chunk_tok0: Int32, row_end: Int32, scale_log2: Float32, srow: Int32, ssub: Int32):
+                       chunk_tok0: Int32, row_end: Int32, scale_log2: Float32, srow: Int32, ssub: Int32,
+                       s_row=None):
         """Online softmax of one chunk for the row this thread shares with TPR - 1 others: S^T from sS_chunk
         (row, token, 0), P as e4m3 words (one plane, or hi and lo) w = ssub + TPR*i (tokens
         pi(4w .. 4w + 3)) into sPw_buf (word, row, plane), tokens >= row_end masked. Returns the new running max
         (the row's), this thread's share of the running sum (its tokens only: `_row_allreduce` at the end of a
         segment adds the shares) and the factor alpha that rescales the output accumulated so far. Fences P for
-        the wgmma."""
+        the wgmma. The row's S^T is row s_row of sS_chunk (srow unless given: `decode_layout.s_logical_row`)."""
         vals = cute.make_rmem_tensor(cute.make_layout((4 * self.words_per_thread,)), Float32)
-        cmax = self._softmax_max(sS_chunk, vals, chunk_tok0, row_end, scale_log2, srow, ssub)
+        cmax = self._softmax_max(sS_chunk, vals, chunk_tok0, row_end, scale_log2, srow if s_row is None else s_row,
+                                 ssub)
         return self._softmax_exp(vals, cmax, sPw_buf, row_max, row_sum, srow, ssub, None, None, Int32(0), False)
 
     @cute.jit
     def _softmax_max(self, sS_chunk: cute.Tensor, vals: cute.Tensor, chunk_tok0: Int32, row_end: Int32,
                      scale_log2: Float32, srow: Int32, ssub: Int32) -> Float32:
-        """First half of `_softmax_chunk`: this thread's scaled, masked S values into vals and the row's max."""
+        """First half of `_softmax_chunk`: this thread's scaled, masked S values (row srow of sS_chunk) into vals
+        and the row's max."""
         TPR = self.tpr
         WPT = self.words_per_thread
         cmax = -Float32.inf

@@ -205,6 +205,10 @@ GPU_CASES = [
     (12, 8, 32, 64, True, [8, 9, 100, 1000, 4000, 65], 9, {**ROWS_48, "kv_refill": "after_store"}),
     # half-chunk boxes on pages of 64 (the cases above with pages and tiles of 64 load whole-chunk boxes)
     (128, 1, 64, 64, True, [1, 700, 3000, 64], 8, {**ROWS_64, "kv_box_tokens": 32}),
+    # O^T rescaled and P.V issued a dim tile at a time (pv_order; the default at 48 rows, "whole" at 64)
+    (128, 1, 64, 64, True, [1, 700, 3000, 64], 8, {**ROWS_64, "pv_order": "per_tile"}),
+    (16, 4, 64, 32, True, [4, 5, 64, 1500, 77], 9, {**ROWS_64, "pv_order": "per_tile", "p_planes": 1}),
+    (12, 8, 32, 64, True, [8, 9, 100, 1000, 4000, 65], 9, {**ROWS_48, "pv_order": "whole"}),
     # the running max kept within the slack of e4m3's headroom (lazy_rescale, research)
     (12, 1, 32, 64, True, [1, 31, 32, 33, 65, 700, 4000, 130], 16, {"lazy_rescale": True}),
     (12, 8, 32, 64, True, [8, 9, 100, 1000, 4000, 65], 9, {**ROWS_48, "lazy_rescale": True}),
@@ -238,7 +242,7 @@ def test_matches_reference_gpu(num_heads, q_len, page_size, tile_tokens, causal,
 
     from mla_backend.config import decode_config
     from mla_backend.plan import plan_splits
-    from mla_backend.reference import mla_decode_reference
+    from mla_backend.reference import mla_decode_reference, relative_l2_error
 
     dev = "cuda"
     q, kv, bt, seq, qs, ks = make_decode_inputs(lengths, q_len=q_len, num_heads=num_heads, page_size=page_size,
@@ -254,7 +258,10 @@ def test_matches_reference_gpu(num_heads, q_len, page_size, tile_tokens, causal,
     busy = [b for b, n in enumerate(lengths) if n > 0]  # requests without KV are the combine kernel's job
     for b in busy:
         torch.testing.assert_close(got_lse[b], ref_lse[b], atol=2e-3, rtol=1e-3)
-        torch.testing.assert_close(got_out[b], ref_out[b].float(), atol=2e-2, rtol=2e-2)
+        if cfg.p_planes == 2:
+            torch.testing.assert_close(got_out[b], ref_out[b].float(), atol=2e-2, rtol=2e-2)
+        else:  # one e4m3 plane: e4m3's own rounding of P (test_mla_decode_gpu.TOLERANCES)
+            assert relative_l2_error(got_out[b], ref_out[b]) < 3e-2
 
 
 @pytest.mark.gpu
