@@ -96,11 +96,7 @@ class DecodeMMA:
         1M x B1 176.5 -> 165.0 us, 128K x B4 91.6 -> 88.2) and cost 3-4% where the branch sat between two wgmma
         waits (the earlier two-warpgroup schedule for more rows: H12 q8 1M x B1 526.0 -> 544.6 us)."""
         ROWS = self.rows
-        NA = ROWS // 2
-        als = cute.make_rmem_tensor(cute.make_layout((ROWS // 4,)), Float32)  # this thread's rows 8j + 2 lt + e
-        for j in cutlass.range_constexpr(ROWS // 8):
-            for e in cutlass.range_constexpr(2):
-                als[2 * j + e] = sAlpha[8 * j + 2 * lt + e]
+        als = self._row_factors(sAlpha, lt)
         if cutlass.const_expr(not self.cfg.runs("rescale")):
             pass  # research build: O^T is not rescaled
         elif cutlass.const_expr(skip_when_unit):
@@ -111,6 +107,15 @@ class DecodeMMA:
                 self._scale_rows(acc_O, als)
         else:
             self._scale_rows(acc_O, als)
+
+    @cute.jit
+    def _row_factors(self, sAlpha: cute.Tensor, lt: Int32) -> cute.Tensor:
+        """This thread's rows' factors from sAlpha (row): als[2j + e] of row 8j + 2 lt + e."""
+        als = cute.make_rmem_tensor(cute.make_layout((self.rows // 4,)), Float32)
+        for j in cutlass.range_constexpr(self.rows // 8):
+            for e in cutlass.range_constexpr(2):
+                als[2 * j + e] = sAlpha[8 * j + 2 * lt + e]
+        return als
 
     @cute.jit
     def _scale_rows(self, acc_O: cute.Tensor, als: cute.Tensor):
@@ -133,10 +138,7 @@ class DecodeMMA:
         multiplies of tile t + 1 run while the wgmmas of tile t do, instead of all 128 before the first wgmma
         (whose issue then waits on the tensor pipe with nothing left to do). Each tile's multiplies are ordered
         before its wgmmas by a wgmma fence; one commit group for all."""
-        als = cute.make_rmem_tensor(cute.make_layout((self.rows // 4,)), Float32)
-        for j in cutlass.range_constexpr(self.rows // 8):
-            for e in cutlass.range_constexpr(2):
-                als[2 * j + e] = sAlpha[8 * j + 2 * lt + e]
+        als = self._row_factors(sAlpha, lt)
         for t in cutlass.range_constexpr(4):
             if cutlass.const_expr(self.cfg.runs("rescale")):
                 self._scale_tile(acc_O, als, t)
