@@ -188,11 +188,9 @@ class MLADecodeSwgSM90(MLADecodeSM90):
         ROWS = self.rows
         NA = ROWS // 2
         C = CHUNK
-        NS = self.cfg.num_stages
-        NT = self.num_threads
         TPR = self.tpr
         PB = p_buffer_bytes(ROWS, self.cfg.p_planes)  # bytes of one P buffer
-        tidx, wg, wl, lt, lane = cta.tidx, cta.wg, cta.wl, cta.lt, cta.lane
+        tidx, wg, wl, lt = cta.tidx, cta.wg, cta.wl, cta.lt
         p_addr = cta.storage.p.data_ptr().toint()
         lead = tidx % WARPGROUP == 0
         acc_O = cute.make_rmem_tensor(cute.make_layout((4 * NA,)), Float32)
@@ -229,32 +227,9 @@ class MLADecodeSwgSM90(MLADecodeSM90):
                     self._issue_pv_part(acc_O, vt, p_addr + ((n_chunks - 1) % 2) * PB, 0, 4, True)
             else:
                 for ci in range(n_chunks):
-                    buf = ci % 2
-                    cute.arch.barrier(barrier_id=S_FULL + buf, number_of_threads=NT)
-                    self._stamp(cta, lead, ci, 8 + 8 * wg + 0)  # "S_FULL passed"
-                    if srow < ROWS:  # all threads but with 48 rows (then warps 6 and 7 skip it)
-                        row_max, row_sum, alpha = self._softmax_chunk(
-                            sS[None, None, None, buf], sPw[None, None, None, buf], row_max,
-                            row_sum, tok_begin + ci * C, row_end, cta.scale_log2, srow, ssub, s_row)
-                        if ssub == 0:
-                            sAlpha[srow, buf] = alpha
-                    self._stamp(cta, lead, ci, 8 + 8 * wg + 1)  # "softmax done"
-                    wgmma_wait(0)  # P.V(ci - 1): its V^T registers may be reused
-                    for i in cutlass.range_constexpr(4 * NA):
-                        acc_O[i] = fence_operand(acc_O[i])
-                    self._stamp(cta, lead, ci, 8 + 8 * wg + 2)  # "P.V(ci-1) done"
-                    a_regs = self._load_vt(cta.ring_addr + (ci % NS) * (C * 128 * KV_BLOCKS), wg * 4, wl, lane)
-                    cute.arch.barrier_arrive(barrier_id=S_FREE + buf, number_of_threads=NT)
-                    self._stamp(cta, lead, ci, 8 + 8 * wg + 3)  # "V^T loaded"
-                    cute.arch.barrier(barrier_id=PV_BAR, number_of_threads=SOFTMAX_THREADS)  # P(ci), alpha(ci)
-                    self._stamp(cta, lead, ci, 8 + 8 * wg + 4)  # "P barrier passed"
-                    if cutlass.const_expr(self.cfg.pv_order == "per_tile"):
-                        self._rescale_issue_pv(acc_O, sAlpha[None, buf], lt, a_regs, p_addr + buf * PB)
-                    else:
-                        self._rescale_o(acc_O, sAlpha[None, buf], lt, self.cfg.lazy_rescale)
-                        self._stamp(cta, lead, ci, 8 + 8 * wg + 5)  # "O^T rescaled"
-                        self._issue_pv_regs(acc_O, a_regs, p_addr + buf * PB, 0)
-                    self._stamp(cta, lead, ci, 8 + 8 * wg + 6)  # "P.V issued"
+                    row_max, row_sum = self._softmax_pv_chunk(cta, acc_O, vals, sS, sPw, sAlpha, p_addr, ci,
+                                                              tok_begin, row_end, row_max, row_sum, srow, ssub,
+                                                              s_row, lead)
             wgmma_wait(0)
             for i in cutlass.range_constexpr(4 * NA):
                 acc_O[i] = fence_operand(acc_O[i])
@@ -267,6 +242,49 @@ class MLADecodeSwgSM90(MLADecodeSM90):
             cute.arch.barrier()  # sInvL, sS, sP and sAlpha are reused by the next segment
             g = seg_end
             b = b + 1
+
+    @cute.jit
+    def _softmax_pv_chunk(self, cta: CTAContext, acc_O: cute.Tensor, vals: cute.Tensor, sS: cute.Tensor,
+                          sPw: cute.Tensor, sAlpha: cute.Tensor, p_addr: Int32, ci: Int32, tok_begin: Int32,
+                          row_end: Int32, row_max: Float32, row_sum: Float32, srow: Int32, ssub: Int32,
+                          s_row: Int32, lead):
+        """48 and 64 rows, chunk ci: the softmax, the V^T registers of ci (after the wait for P.V(ci - 1), whose A
+        registers they reuse), the O^T rescale and the issue of P.V(ci) (`config.PV_ORDERS`). Returns the running
+        max and sum."""
+        C = CHUNK
+        ROWS = self.rows
+        NA = ROWS // 2
+        NT = self.num_threads
+        wg, wl, lt, lane = cta.wg, cta.wl, cta.lt, cta.lane
+        buf = ci % 2
+        vt_addr = cta.ring_addr + (ci % self.cfg.num_stages) * (C * 128 * KV_BLOCKS)  # chunk ci's ring stage
+        cute.arch.barrier(barrier_id=S_FULL + buf, number_of_threads=NT)
+        self._stamp(cta, lead, ci, 8 + 8 * wg + 0)  # "S_FULL passed"
+        if srow < ROWS:  # all threads but with 48 rows (then warps 6 and 7 skip it)
+            row_max, row_sum, alpha = self._softmax_chunk(
+                sS[None, None, None, buf], sPw[None, None, None, buf], row_max,
+                row_sum, tok_begin + ci * C, row_end, cta.scale_log2, srow, ssub, s_row)
+            if ssub == 0:
+                sAlpha[srow, buf] = alpha
+        self._stamp(cta, lead, ci, 8 + 8 * wg + 1)  # "softmax done"
+        wgmma_wait(0)  # P.V(ci - 1): its V^T registers may be reused
+        for i in cutlass.range_constexpr(4 * NA):
+            acc_O[i] = fence_operand(acc_O[i])
+        self._stamp(cta, lead, ci, 8 + 8 * wg + 2)  # "P.V(ci-1) done"
+        a_regs = self._load_vt(vt_addr, wg * 4, wl, lane)
+        cute.arch.barrier_arrive(barrier_id=S_FREE + buf, number_of_threads=NT)
+        self._stamp(cta, lead, ci, 8 + 8 * wg + 3)  # "V^T loaded"
+        cute.arch.barrier(barrier_id=PV_BAR, number_of_threads=SOFTMAX_THREADS)  # P(ci), alpha(ci)
+        self._stamp(cta, lead, ci, 8 + 8 * wg + 4)  # "P barrier passed"
+        PB = p_buffer_bytes(ROWS, self.cfg.p_planes)
+        if cutlass.const_expr(self.cfg.pv_order == "per_tile"):
+            self._rescale_issue_pv(acc_O, sAlpha[None, buf], lt, a_regs, p_addr + buf * PB)
+        else:
+            self._rescale_o(acc_O, sAlpha[None, buf], lt, self.cfg.lazy_rescale)
+            self._stamp(cta, lead, ci, 8 + 8 * wg + 5)  # "O^T rescaled"
+            self._issue_pv_regs(acc_O, a_regs, p_addr + buf * PB, 0)
+        self._stamp(cta, lead, ci, 8 + 8 * wg + 6)  # "P.V issued"
+        return row_max, row_sum
 
     @cute.jit
     def _pv_in_softmax_chunk(self, cta: CTAContext, acc_O: cute.Tensor, vt: cute.Tensor, vals: cute.Tensor,
