@@ -108,9 +108,12 @@ class DecodeConfig:
     (KV_BOX_TOKENS). `lazy_rescale` (research) keeps each row's reference max until a chunk's max passes it by
     more than P's headroom in e4m3 (`softmax.rescale_slack`), so that most chunks rescale no row and the O^T
     rescale of a thread whose alphas are all 1 is skipped; the default moves it with every new max, which keeps
-    the top token's p exactly 1 (lazily it lies in [1, 1.7) and takes e4m3's rounding like the others). `skip` and `timeline` are research builds (benchmarks/): `skip` leaves
-    parts of the work out, `timeline` stores SM clock stamps of chunks [timeline, timeline + TIMELINE_CHUNKS) of
-    each stamped CTA into the workspace's last slot."""
+    the top token's p exactly 1 (lazily it lies in [1, 1.7) and takes e4m3's rounding like the others).
+    `poison_smem` (a check for tests) sets every byte of the CTA's shared memory to 0xFF (NaN as e4m3, fp16 and
+    fp32) before the kernel uses it: a read of shared memory that the launch did not write, whose value would
+    otherwise be whatever the SM's previous kernel left there, then shows in the outputs. `skip` and `timeline`
+    are research builds (benchmarks/): `skip` leaves parts of the work out, `timeline` stores SM clock stamps of
+    chunks [timeline, timeline + TIMELINE_CHUNKS) of each stamped CTA into the workspace's last slot."""
 
     num_heads: int
     q_len: int
@@ -130,6 +133,7 @@ class DecodeConfig:
     kv_box_tokens: int = 32
     pv_order: str = PV_ORDERS[0]
     lazy_rescale: bool = False
+    poison_smem: bool = False
 
     def __post_init__(self):
         if self.page_size <= 0 or self.page_size & (self.page_size - 1):

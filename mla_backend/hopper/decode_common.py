@@ -23,13 +23,13 @@ from cutlass.cute.nvgpu import cpasync
 
 from ..config import TIMELINE_CHUNKS, DecodeConfig
 from ..shapes import KV_DIM
-from .decode_layout import (CHUNK, FP8, KV_BLOCKS, LOG2E, S_STRIDE, SM90_SMEM_CAPACITY, SOFTMAX_THREADS, V_DIM,
-                            p_buffer_bytes, q_layout, ring_layout)
+from .decode_layout import (CHUNK, FP8, LOG2E, SM90_SMEM_CAPACITY, SOFTMAX_THREADS, V_DIM, q_layout, ring_layout,
+                            smem_region_bytes)
 from .decode_mma import DecodeMMA
 from .epilogue import DecodeEpilogue
 from .launch import pdl_prologue
 from .paged_kv import PagedKVLoads
-from .ptx import sm_clock, store_global_u32
+from .ptx import fence_proxy_async_smem, sm_clock, store_global_u32
 from .softmax import OnlineSoftmax
 
 # timeline builds (config.DecodeConfig.timeline): stamps per chunk, and the plan CTAs (of every row block) stamped
@@ -124,16 +124,18 @@ class MLADecodeSM90(PagedKVLoads, OnlineSoftmax, DecodeMMA, DecodeEpilogue):
                                                                  stride=(1, V_DIM, R * V_DIM)))
         mPLse = cute.make_tensor(p_partial_lse, cute.make_layout((R, num_slots), stride=(1, R)))
 
+        region = smem_region_bytes(ROWS, NS, self.cfg.p_planes)
+
         @cute.struct
         class SharedStorage:
-            ring: cute.struct.Align[cute.struct.MemRange[FP8, NS * CHUNK * 128 * KV_BLOCKS], 1024]
-            q: cute.struct.Align[cute.struct.MemRange[FP8, ROWS * 128 * KV_BLOCKS], 1024]
+            ring: cute.struct.Align[cute.struct.MemRange[FP8, region["ring"]], 1024]
+            q: cute.struct.Align[cute.struct.MemRange[FP8, region["q"]], 1024]
             # two chunks of full S^T: one per warpgroup (ping-pong) or per buffer (S^T warpgroup)
-            s: cute.struct.Align[cute.struct.MemRange[Float32, 2 * ROWS * S_STRIDE], 128]
-            p: cute.struct.Align[cute.struct.MemRange[FP8, 2 * p_buffer_bytes(ROWS, self.cfg.p_planes)], 128]
-            alpha: cute.struct.Align[cute.struct.MemRange[Float32, 2 * ROWS], 16]
-            inv_l: cute.struct.Align[cute.struct.MemRange[Float32, ROWS], 16]
-            row_ml: cute.struct.Align[cute.struct.MemRange[Float32, 2 * 2 * ROWS], 16]
+            s: cute.struct.Align[cute.struct.MemRange[Float32, region["s"] // 4], 128]
+            p: cute.struct.Align[cute.struct.MemRange[FP8, region["p"]], 128]
+            alpha: cute.struct.Align[cute.struct.MemRange[Float32, region["alpha"] // 4], 16]
+            inv_l: cute.struct.Align[cute.struct.MemRange[Float32, region["inv_l"] // 4], 16]
+            row_ml: cute.struct.Align[cute.struct.MemRange[Float32, region["row_ml"] // 4], 16]
             # one "chunk landed" mbarrier per ring stage (TMA loads only)
             kv_full: cute.struct.Align[cute.struct.MemRange[Int64, NS], 8]
 
@@ -201,6 +203,8 @@ class MLADecodeSM90(PagedKVLoads, OnlineSoftmax, DecodeMMA, DecodeEpilogue):
 
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(SharedStorage)
+        if cutlass.const_expr(self.cfg.poison_smem):
+            self._poison_smem(storage, tidx)
         zero16 = cute.make_rmem_tensor(cute.make_layout((16,)), FP8)
         zero16.fill(0.0)
         tl_base = None
@@ -225,6 +229,19 @@ class MLADecodeSM90(PagedKVLoads, OnlineSoftmax, DecodeMMA, DecodeEpilogue):
             # the last query position among this block's rows that exist (for causal trimming)
             t_last=(cutlass.min(row0 + self.rows, self.cfg.num_rows) - 1) // self.cfg.num_heads,
             zero16=zero16, tl_base=tl_base, tl_on=tl_on))
+
+    @cute.jit
+    def _poison_smem(self, storage, tidx: Int32):
+        """`DecodeConfig.poison_smem`: every data region of the CTA's shared memory filled with 0xFF bytes by all
+        its threads, fenced for the async proxy (the TMA copies and wgmmas that come after), before any other
+        use."""
+        for name, nbytes in smem_region_bytes(self.rows, self.cfg.num_stages, self.cfg.p_planes).items():
+            words = cute.make_tensor(cute.recast_ptr(getattr(storage, name).data_ptr(), dtype=Int32),
+                                     cute.make_layout((nbytes // 4,)))
+            for i in range(tidx, nbytes // 4, self.num_threads):
+                words[i] = Int32(-1)
+        fence_proxy_async_smem()
+        cute.arch.barrier()
 
     @cute.jit
     def _segment(self, mReqTileStart: cute.Tensor, mSeq: cute.Tensor, b: Int32, g: Int32, g_end: Int32,

@@ -75,3 +75,12 @@ def s_logical_row(buffer_row):
 def s_full_layout(rows: int):
     """S^T of a whole chunk: (row, token, one part, buffer or warpgroup)."""
     return cute.make_layout((rows, CHUNK, 1, 2), stride=(S_STRIDE, 1, 0, rows * S_STRIDE))
+
+
+def smem_region_bytes(rows: int, num_stages: int, p_planes: int) -> dict:
+    """Bytes of each data region of a decode CTA's shared memory (`decode_common`'s SharedStorage, the stage
+    mbarriers left out): the KV ring, Q, two chunks of S^T, two P buffers, alpha (row, buffer), the rows' output
+    scales and the ping-pong's (max, sum) exchange (2 values x rows x 2 warpgroups)."""
+    return {"ring": num_stages * CHUNK * 128 * KV_BLOCKS, "q": rows * 128 * KV_BLOCKS, "s": 2 * rows * S_STRIDE * 4,
+            "p": 2 * p_buffer_bytes(rows, p_planes), "alpha": 2 * rows * 4, "inv_l": rows * 4,
+            "row_ml": 2 * 2 * rows * 4}

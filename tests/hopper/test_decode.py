@@ -109,6 +109,22 @@ def test_research_builds_compile(skip, heads, q_len):
         assert compile_decode(decode_config(heads, q_len, 32, timeline=100)) is not None
 
 
+@pytest.mark.parametrize("heads,q_len,page_size,options", [(12, 1, 32, {}), (16, 2, 64, {}), (12, 8, 32, {}),
+                                                           (16, 4, 64, {"kv_loads": "cp_async"})])
+def test_poisoned_shared_memory_builds_compile(heads, q_len, page_size, options):
+    """The shared-memory check builds (`DecodeConfig.poison_smem`) compile for every schedule and load path, and
+    their shared memory is what the plain build has."""
+    from mla_backend.config import decode_config
+    from mla_backend.hopper.decode import compile_decode
+    from mla_backend.hopper.decode_layout import SM90_SMEM_CAPACITY, smem_region_bytes
+
+    cfg = decode_config(heads, q_len, page_size, poison_smem=True, **options)
+    assert compile_decode(cfg) is not None
+    regions = smem_region_bytes(cfg.rows_per_block, cfg.num_stages, cfg.p_planes)
+    assert all(n > 0 and n % 16 == 0 for n in regions.values()), regions
+    assert sum(regions.values()) <= SM90_SMEM_CAPACITY
+
+
 def test_research_switches_are_checked():
     from mla_backend.config import decode_config
 
@@ -216,11 +232,9 @@ GPU_CASES = [
 ]
 
 
-def _decode_merged(cfg, q, kv, bt, seq, softmax_scale, qs, ks, plan):
-    """One decode launch of `cfg` into NaN-filled outputs, then its final out / lse (partials merged:
-    `reference.merge_decode_outputs`)."""
+def _decode_launch(cfg, q, kv, bt, seq, softmax_scale, qs, ks, plan):
+    """One decode launch of `cfg` into NaN-filled outputs: (out, lse, partial_out, partial_lse) as it left them."""
     from mla_backend.hopper.decode import run_decode
-    from mla_backend.reference import merge_decode_outputs
 
     batch, q_len, num_heads, _ = q.shape
     dev = q.device
@@ -231,7 +245,14 @@ def _decode_merged(cfg, q, kv, bt, seq, softmax_scale, qs, ks, plan):
     run_decode(cfg, q, kv, bt, seq, softmax_scale, qs, ks, plan, out, lse, partial_out, partial_lse,
                torch.cuda.current_stream())
     torch.cuda.synchronize()
-    return merge_decode_outputs(plan, out, lse, partial_out, partial_lse, ks)
+    return out, lse, partial_out, partial_lse
+
+
+def _decode_merged(cfg, q, kv, bt, seq, softmax_scale, qs, ks, plan):
+    """`_decode_launch`, then its final out / lse (partials merged: `reference.merge_decode_outputs`)."""
+    from mla_backend.reference import merge_decode_outputs
+
+    return merge_decode_outputs(plan, *_decode_launch(cfg, q, kv, bt, seq, softmax_scale, qs, ks, plan), ks)
 
 
 @pytest.mark.gpu
@@ -294,6 +315,69 @@ def test_rising_scores_move_the_reference_max_gpu(num_heads, q_len, page_size, r
     for b in range(len(lengths)):
         torch.testing.assert_close(got_lse[b], ref_lse[b], atol=2e-3, rtol=1e-3)
         assert relative_l2_error(got_out[b], ref_out[b]) < 2e-2
+
+
+# every schedule and load path, with requests that end inside a chunk and a page, split requests and one without KV
+POISON_CASES = [
+    (12, 1, 32, 64, [0, 1, 31, 33, 700, 4000, 130], 16, {}),  # 16 rows, the ping-pong
+    (16, 2, 64, 64, [2, 63, 65, 129, 3000, 17, 900], 12, {}),  # 32 rows, TMA whole-chunk boxes
+    (12, 8, 32, 64, [8, 9, 100, 1000, 4000, 65], 9, {}),  # 48 rows, TMA half-chunk boxes
+    (16, 4, 64, 64, [0, 4, 5, 64, 1500, 77, 10779, 238], 24, {}),  # 64 rows, whole-chunk boxes
+    (128, 1, 64, 64, [1, 700, 3000, 64], 8, {"kv_loads": "cp_async"}),  # 64 rows, cp.async
+    (16, 4, 64, 32, [4, 5, 64, 1500, 77], 9, {"kv_refill": "after_store"}),  # tiles of 32: chunks across pages
+]
+
+
+def _same_bits(a, b) -> bool:
+    """Equal values and NaN in the same places."""
+    nan_a, nan_b = torch.isnan(a.float()), torch.isnan(b.float())
+    return torch.equal(nan_a, nan_b) and torch.equal(a[~nan_a], b[~nan_b])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_heads,q_len,page_size,tile_tokens,lengths,num_ctas,options", POISON_CASES)
+def test_reads_no_shared_memory_it_did_not_write_gpu(num_heads, q_len, page_size, tile_tokens, lengths, num_ctas,
+                                                     options):
+    """A launch whose shared memory starts as 0xFF bytes (NaN; `DecodeConfig.poison_smem`) writes the same bits
+    as a plain launch, final rows and partials: no value comes from shared memory that the launch did not write,
+    which would otherwise be whatever the SM's previous kernel left there."""
+    sys.path.insert(0, os.path.join(REPO, "tests"))
+    from mla_inputs import make_decode_inputs
+
+    from mla_backend.config import decode_config
+    from mla_backend.plan import plan_splits
+
+    q, kv, bt, seq, qs, ks = make_decode_inputs(lengths, q_len=q_len, num_heads=num_heads, page_size=page_size,
+                                                device="cuda", seed=5)
+    plan = plan_splits(seq, q_len=q_len, num_heads=num_heads, page_size=page_size, tile_tokens=tile_tokens,
+                       num_ctas=num_ctas)
+    outputs = {}
+    for poison in (False, True):
+        cfg = decode_config(num_heads, q_len, page_size, tile_tokens=tile_tokens, poison_smem=poison, **options)
+        outputs[poison] = _decode_launch(cfg, q, kv, bt, seq, 576 ** -0.5, qs, ks, plan)
+    names = ("out", "lse", "partial_out", "partial_lse")
+    differ = [n for n, a, b in zip(names, outputs[False], outputs[True]) if not _same_bits(a, b)]
+    assert not differ, f"poisoned shared memory changed {differ}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_heads,q_len,page_size", [(12, 1, 32), (12, 8, 32), (16, 4, 64)])
+def test_poisoned_shared_memory_reaches_the_outputs_gpu(num_heads, q_len, page_size):
+    """The check's own control: with S^T's stores left out (research build skip={"store_s"}) the softmax reads
+    only what the poison wrote, and every row with KV comes out NaN."""
+    sys.path.insert(0, os.path.join(REPO, "tests"))
+    from mla_inputs import make_decode_inputs
+
+    from mla_backend.config import decode_config
+    from mla_backend.plan import plan_splits
+
+    lengths = [700, 65]
+    q, kv, bt, seq, qs, ks = make_decode_inputs(lengths, q_len=q_len, num_heads=num_heads, page_size=page_size,
+                                                device="cuda", seed=5)
+    plan = plan_splits(seq, q_len=q_len, num_heads=num_heads, page_size=page_size, num_ctas=4)
+    cfg = decode_config(num_heads, q_len, page_size, poison_smem=True, skip={"store_s"})
+    out, _ = _decode_merged(cfg, q, kv, bt, seq, 576 ** -0.5, qs, ks, plan)
+    assert bool(torch.isnan(out.float()).all())
 
 
 def test_s_warpgroup_register_budgets_add_up():

@@ -227,7 +227,22 @@ def test_cuda_graph_replays_new_lengths(heads, q_len, page):
         # Determinism: the same inputs give bit-identical outputs across replays.
         first_out, first_lse = out.clone(), lse.clone()
         graph.replay()
-        assert torch.equal(out, first_out) and torch.equal(lse.nan_to_num(), first_lse.nan_to_num()), name
+        assert torch.equal(out, first_out) and torch.equal(lse.nan_to_num(), first_lse.nan_to_num()), \
+            f"{name}: {replay_difference(first_out, out, first_lse, lse, lengths)}"
+
+
+def replay_difference(out_a, out_b, lse_a, lse_b, lengths) -> str:
+    """Where two replays' outputs differ: how many values, the requests (and their lengths), query positions and
+    heads, the largest difference and the NaNs of each."""
+    diff = (out_a != out_b) & ~(torch.isnan(out_a) & torch.isnan(out_b))
+    where = diff.nonzero()
+    reqs = sorted(set(where[:, 0].tolist()))
+    big = (out_a.float() - out_b.float()).abs()[diff].nan_to_num(float("inf"))
+    return (f"{int(diff.sum())} output values differ (max {float(big.max()) if big.numel() else 0.0:.3g}), "
+            f"requests {reqs[:8]} of lengths {[lengths[b] for b in reqs[:8]]}, positions "
+            f"{sorted(set(where[:, 1].tolist()))}, heads {sorted(set(where[:, 2].tolist()))[:16]}; NaN in out "
+            f"{int(torch.isnan(out_a).sum())} / {int(torch.isnan(out_b).sum())}; lse values differing "
+            f"{int((lse_a.nan_to_num() != lse_b.nan_to_num()).sum())}")
 
 
 def test_planner_runs_inside_capture_without_host_sync():
