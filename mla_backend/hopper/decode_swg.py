@@ -227,9 +227,8 @@ class MLADecodeSwgSM90(MLADecodeSM90):
                     self._issue_pv_part(acc_O, vt, p_addr + ((n_chunks - 1) % 2) * PB, 0, 4, True)
             else:
                 for ci in range(n_chunks):
-                    row_max, row_sum = self._softmax_pv_chunk(cta, acc_O, vals, sS, sPw, sAlpha, p_addr, ci,
-                                                              tok_begin, row_end, row_max, row_sum, srow, ssub,
-                                                              s_row, lead)
+                    row_max, row_sum = self._softmax_pv_chunk(cta, acc_O, sS, sPw, sAlpha, p_addr, ci, tok_begin,
+                                                              row_end, row_max, row_sum, srow, ssub, s_row, lead)
             wgmma_wait(0)
             for i in cutlass.range_constexpr(4 * NA):
                 acc_O[i] = fence_operand(acc_O[i])
@@ -244,10 +243,9 @@ class MLADecodeSwgSM90(MLADecodeSM90):
             b = b + 1
 
     @cute.jit
-    def _softmax_pv_chunk(self, cta: CTAContext, acc_O: cute.Tensor, vals: cute.Tensor, sS: cute.Tensor,
-                          sPw: cute.Tensor, sAlpha: cute.Tensor, p_addr: Int32, ci: Int32, tok_begin: Int32,
-                          row_end: Int32, row_max: Float32, row_sum: Float32, srow: Int32, ssub: Int32,
-                          s_row: Int32, lead):
+    def _softmax_pv_chunk(self, cta: CTAContext, acc_O: cute.Tensor, sS: cute.Tensor, sPw: cute.Tensor,
+                          sAlpha: cute.Tensor, p_addr: Int32, ci: Int32, tok_begin: Int32, row_end: Int32,
+                          row_max: Float32, row_sum: Float32, srow: Int32, ssub: Int32, s_row: Int32, lead):
         """48 and 64 rows, chunk ci: the softmax, the V^T registers of ci (after the wait for P.V(ci - 1), whose A
         registers they reuse), the O^T rescale and the issue of P.V(ci) (`config.PV_ORDERS`). Returns the running
         max and sum."""
