@@ -16,6 +16,9 @@ def test_a_spec_is_field_value_pairs():
     assert bk.parse_variant("skip=softmax+pv") == {"skip": frozenset({"softmax", "pv"})}
     assert bk.parse_variant("causal=0,p_precision=fp8x2") == {"causal": False, "p_precision": "fp8x2"}
     assert bk.format_overrides(bk.parse_variant("p_planes=2,skip=pv+s,causal=1")) == "p_planes=2,skip=pv+s,causal=1"
+    # the shared-memory check build: timed and compared with the plain kernel like any variant
+    assert bk.parse_variant("poison_smem=1") == {"poison_smem": True}
+    assert bk.case_config((16, 4, 64, 1 << 20, 2), {"poison_smem": True}) == decode_config(16, 4, 64, poison_smem=True)
 
 
 @pytest.mark.parametrize("spec,message", [
