@@ -113,7 +113,8 @@ def test_research_builds_compile(skip, heads, q_len):
                                                            (16, 4, 64, {"kv_loads": "cp_async"})])
 def test_poisoned_shared_memory_builds_compile(heads, q_len, page_size, options):
     """The shared-memory check builds (`DecodeConfig.poison_smem`) compile for every schedule and load path, and
-    their shared memory is what the plain build has."""
+    the regions they fill (`smem_region_bytes`, which also sizes the kernel's SharedStorage) are whole 16-byte
+    pieces that fit a CTA."""
     from mla_backend.config import decode_config
     from mla_backend.hopper.decode import compile_decode
     from mla_backend.hopper.decode_layout import SM90_SMEM_CAPACITY, smem_region_bytes
