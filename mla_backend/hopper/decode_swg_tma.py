@@ -67,6 +67,7 @@ class MLADecodeSwgTmaSM90(MLADecodeSwgSM90):
             cute.arch.cp_async_commit_group()
             # chunks 0 .. NS - 2 (the ring is free: the previous segment ended with every stage read)
             if issuer:
+                fence_proxy_async_smem()  # as in `_refill`: the previous segment's ldmatrix reads of the ring
                 for st in cutlass.range_constexpr(NS - 1):
                     if st < n_chunks:
                         tok0 = tok_begin + st * C
@@ -118,6 +119,11 @@ class MLADecodeSwgTmaSM90(MLADecodeSwgSM90):
             cute.arch.barrier(barrier_id=S_FREE + (j - 1) % 2, number_of_threads=self.num_threads)
         self._stamp(cta, lead, j, 3)  # "S_FREE passed"
         if issuer and j + NS - 1 < n_chunks:
+            # The softmax warpgroups read the stage by ldmatrix (the generic proxy) before S_FREE, and TMA (the
+            # async proxy) writes it next: a write after read across proxies, which needs a proxy fence on the
+            # path from the reads to the writes (PTX memory model, proxy-preserved causality order). Here one
+            # warp runs it once per chunk; in the 256 readers before their arrive it cost 2-5% (experiments.md).
+            fence_proxy_async_smem()
             self._issue_chunk_tma(cta, boxes, bars + (j + NS - 1) % NS, page_a, page_b,
                                   tok_begin + (j + NS - 1) * CHUNK, (j + NS - 1) % NS)
         self._stamp(cta, lead, j, 4)  # "boxes issued"
