@@ -266,6 +266,8 @@ def test_launches_on_kv_held_in_l2_are_bit_identical(heads, q_len):
                    k_scale=ks)
 
     step()
+    ref_out, ref_lse = mla_decode_reference(q, kv, bt, sl, softmax_scale=576 ** -0.5, q_scale=qs, k_scale=ks)
+    check_against_reference(out, lse, ref_out, ref_lse, **TOLERANCES[planes_of(heads, q_len)])
     first_out, first_lse = out.clone(), lse.clone()
     differ = 0
     for _ in range(200):
