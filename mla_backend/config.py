@@ -109,7 +109,9 @@ class DecodeConfig:
     more than P's headroom in e4m3 (`softmax.rescale_slack`), so that most chunks rescale no row and the O^T
     rescale of a thread whose alphas are all 1 is skipped; the default moves it with every new max, which keeps
     the top token's p exactly 1 (lazily it lies in [1, 1.7) and takes e4m3's rounding like the others).
-    `poison_smem` (a check for tests) sets every byte of the CTA's shared memory to 0xFF (NaN as e4m3, fp16 and
+    `s_chains` (research) is the number of wgmma accumulator chains S^T's 18 k32 steps run as: 2 (the default,
+    two chains of 9 summed in fp32, for the accuracy of FP8 accumulation) or 1 (one chain of 18, the count a
+    warpgroup holding Q in registers would have room for). `poison_smem` (a check for tests) sets every byte of the CTA's shared memory to 0xFF (NaN as e4m3, fp16 and
     fp32) before the kernel uses it: a read of shared memory that the launch did not write, whose value would
     otherwise be whatever the SM's previous kernel left there, then shows in the outputs. `skip` and `timeline`
     are research builds (benchmarks/): `skip` leaves parts of the work out, `timeline` stores SM clock stamps of
@@ -134,6 +136,7 @@ class DecodeConfig:
     pv_order: str = PV_ORDERS[0]
     lazy_rescale: bool = False
     poison_smem: bool = False
+    s_chains: int = 2
 
     def __post_init__(self):
         if self.page_size <= 0 or self.page_size & (self.page_size - 1):
@@ -172,6 +175,8 @@ class DecodeConfig:
             raise ValueError(f"pv_order must be one of {PV_ORDERS}, got {self.pv_order!r}")
         if self.pv_order == "per_tile" and (self.rows_per_block not in (48, 64) or self.lazy_rescale):
             raise ValueError("pv_order='per_tile' is an order of 48- and 64-row blocks without lazy_rescale")
+        if self.s_chains not in (1, 2):
+            raise ValueError(f"s_chains must be 1 or 2 (accumulator chains of S^T's k steps), got {self.s_chains}")
         unknown = set(self.skip) - set(DECODE_PARTS)
         if unknown:
             raise ValueError(f"skip names unknown parts {sorted(unknown)}; known: {', '.join(DECODE_PARTS)}")

@@ -54,17 +54,22 @@ class DecodeMMA:
     @cute.jit
     def _issue_s_chains(self, acc_S: cute.Tensor, acc_S2: cute.Tensor, ring_addr: Int32, q_addr: Int32,
                         stage: Int32):
-        """Issue S^T of the chunk in `stage` over all 18 k32 steps, as two chains of 9 (module docstring)."""
+        """Issue S^T of the chunk in `stage` over all 18 k32 steps, as two chains of 9 (module docstring), or as
+        one chain into acc_S (`DecodeConfig.s_chains`, research)."""
         half = KV_DIM // 64
-        self._issue_s(acc_S, ring_addr, q_addr, stage, 0, half)
-        self._issue_s(acc_S2, ring_addr, q_addr, stage, half, half)
+        if cutlass.const_expr(self.cfg.s_chains == 1):
+            self._issue_s(acc_S, ring_addr, q_addr, stage, 0, 2 * half)
+        else:
+            self._issue_s(acc_S, ring_addr, q_addr, stage, 0, half)
+            self._issue_s(acc_S2, ring_addr, q_addr, stage, half, half)
 
     @cute.jit
     def _sum_s_chains(self, acc_S: cute.Tensor, acc_S2: cute.Tensor):
-        """Wait for the two chains of `_issue_s_chains` and add the second into acc_S, in fp32."""
+        """Wait for the chains of `_issue_s_chains` and add the second into acc_S, in fp32."""
         wgmma_wait(0)
-        for i in cutlass.range_constexpr(self.rows // 2):
-            acc_S[i] = fence_operand(acc_S[i]) + fence_operand(acc_S2[i])
+        if cutlass.const_expr(self.cfg.s_chains == 2):
+            for i in cutlass.range_constexpr(self.rows // 2):
+                acc_S[i] = fence_operand(acc_S[i]) + fence_operand(acc_S2[i])
 
     @cute.jit
     def _store_s(self, acc_S: cute.Tensor, sS_chunk: cute.Tensor, part: Int32, wl: Int32, lg: Int32, lt: Int32):

@@ -109,6 +109,17 @@ def test_research_builds_compile(skip, heads, q_len):
         assert compile_decode(decode_config(heads, q_len, 32, timeline=100)) is not None
 
 
+@pytest.mark.parametrize("heads,q_len,page_size", [(12, 1, 32), (12, 8, 64), (128, 1, 64)])
+def test_one_chain_s_builds_compile(heads, q_len, page_size):
+    """S^T as one accumulator chain of 18 k steps (`DecodeConfig.s_chains=1`, research) compiles for the 16-row
+    ping-pong and the TMA S^T-warpgroup schedule at 48 and 64 rows, as a kernel of its own."""
+    from mla_backend.config import decode_config
+    from mla_backend.hopper.decode import compile_decode
+
+    one = compile_decode(decode_config(heads, q_len, page_size, s_chains=1))
+    assert one is not None and one is not compile_decode(decode_config(heads, q_len, page_size))
+
+
 @pytest.mark.parametrize("heads,q_len,page_size,options", [(12, 1, 32, {}), (16, 2, 64, {}), (12, 8, 32, {}),
                                                            (16, 4, 64, {"kv_loads": "cp_async"})])
 def test_poisoned_shared_memory_builds_compile(heads, q_len, page_size, options):
@@ -133,6 +144,8 @@ def test_research_switches_are_checked():
         decode_config(12, 8, 32, skip={"exp"})
     with pytest.raises(ValueError, match="timeline builds"):
         decode_config(12, 1, 32, timeline=0)
+    with pytest.raises(ValueError, match="s_chains must be 1 or 2"):
+        decode_config(128, 1, 64, s_chains=3)
 
 
 def ptxas_path():
