@@ -14,11 +14,12 @@ sets (rows_per_block=48 alone also takes 48 rows' ring stages and P planes). Eve
 the runtime's kernel (`hopper.decode.compile_decode`) and timed next to the default configuration ("current"),
 in rounds that alternate between the versions, so that clock and thermal drift hit all of them alike, and each
 variant's outputs (final rows and partials, one call on the same inputs and plan) are compared with the current
-kernel's: "identical" or the largest difference; `--error` adds every version's relative L2 error against the
-fp32 reference (`mla_backend.reference`) on the same inputs, its partials merged as the combine merges them
-(`--inputs rising` swaps the bench's random KV for keys rising along each request, `rise_keys`). A bad SPEC is an
-error naming it (exit 2), before anything runs. A change to the kernel's code is timed by running this tool on each commit, or, when it is worth keeping
-as a choice, by a configuration field that selects it.
+kernel's: "identical" or the largest difference; `--error` adds every version's relative L2 error and largest lse
+difference against the fp32 reference (`mla_backend.reference`) on the same inputs, its partials merged as the
+combine merges them (`--inputs rising` swaps the bench's random KV for keys rising along each request,
+`rise_keys`). A bad SPEC is an error naming it (exit 2), before anything runs. A change to the kernel's code is
+timed by running this tool on each commit, or, when it is worth keeping as a choice, by a configuration field that
+selects it.
 
 Timing: one launch per sample, CUDA events around it, after a ~200 us spin kernel, so that the GPU is still
 busy while the host enqueues the start event, the launch and the end event (without it the host's launch path,
@@ -248,13 +249,17 @@ def compare_outputs(ref, got) -> str:
 
 
 def reference_errors(inp, outputs):
-    """The relative L2 error of each launch's final output (`outputs_of`; its partials merged as the combine
-    merges them) against the fp32 reference on the same inputs."""
-    from mla_backend.reference import merge_decode_outputs, mla_decode_reference, relative_l2_error
+    """(relative L2 error of the output, largest lse difference) of each launch's final rows (`outputs_of`; its
+    partials merged as the combine merges them) against the fp32 reference on the same inputs."""
+    from mla_backend.reference import lse_max_error, merge_decode_outputs, mla_decode_reference, relative_l2_error
 
-    ref_out, _ = mla_decode_reference(inp.q, inp.kv, inp.block_table, inp.seq_lens, softmax_scale=inp.softmax_scale,
-                                      q_scale=inp.q_scale, k_scale=inp.k_scale)
-    return [relative_l2_error(merge_decode_outputs(inp.plan, *out, inp.k_scale)[0], ref_out) for out in outputs]
+    ref_out, ref_lse = mla_decode_reference(inp.q, inp.kv, inp.block_table, inp.seq_lens,
+                                            softmax_scale=inp.softmax_scale, q_scale=inp.q_scale, k_scale=inp.k_scale)
+    errors = []
+    for out in outputs:
+        final_out, final_lse = merge_decode_outputs(inp.plan, *out, inp.k_scale)
+        errors.append((relative_l2_error(final_out, ref_out), lse_max_error(final_lse, ref_lse)))
+    return errors
 
 
 def run_case(case, versions, rounds, per_round, bandwidth, ctas=(), errors=False, inputs="bench"):
@@ -292,7 +297,7 @@ def run_case(case, versions, rounds, per_round, bandwidth, ctas=(), errors=False
         spread = (max(t) - min(t)) / med
         check = f"  outputs {same[i - 1]}" if 0 < i < len(versions) else ""
         if i < len(errs):
-            check += f"  error {errs[i]:.2e}"
+            check += f"  error {errs[i][0]:.2e}, lse {errs[i][1]:.1e}"
         print(f"  {name:>24}: {med * 1e6:8.1f} us  {med / floor:5.3f} x floor  {kv_bytes / med / 1e12:.2f} TB/s "
               f"of KV  (min {min(t) * 1e6:.1f}, spread {spread:.1%}){check}")
 
@@ -338,7 +343,8 @@ def main(argv=None) -> int:
     p.add_argument("--ctas", type=int, action="append", default=[],
                    help="also time the current kernel on a plan of this many CTAs (default: plan.default_num_ctas)")
     p.add_argument("--error", action="store_true",
-                   help="also each version's relative L2 error against the fp32 reference on the same inputs")
+                   help="also each version's relative L2 error and largest lse difference against the fp32 "
+                        "reference on the same inputs")
     p.add_argument("--inputs", choices=INPUTS, default="bench",
                    help="the step bench's random inputs, or KV rising along each request (rise_keys)")
     p.add_argument("--rounds", type=int, default=8)

@@ -99,6 +99,17 @@ def relative_l2_error(out: Tensor, ref: Tensor) -> float:
     return ((out.float() - ref).norm() / ref.norm()).item()
 
 
+def lse_max_error(lse: Tensor, ref: Tensor) -> float:
+    """The largest |lse - ref| over the rows with KV (finite ref); inf where a row's lse is not finite while the
+    reference's is, or finite while the reference's is -inf (a row without KV)."""
+    finite = torch.isfinite(ref)
+    if not torch.equal(torch.isfinite(lse), finite):
+        return math.inf
+    if not bool(finite.any()):
+        return 0.0
+    return (lse[finite].float() - ref[finite].float()).abs().max().item()
+
+
 def _prepare(q, kv_cache, q_scale, k_scale, softmax_scale):
     kv = canonical_kv_cache(kv_cache)
     qf = quantize_q(q, q_scale).float()

@@ -147,3 +147,18 @@ def test_merge_decode_outputs_rebuilds_the_reference_from_a_launchs_writes():
     busy = [b for b, n in enumerate(lengths) if n > 0]
     assert relative_l2_error(got_out[busy], ref_out[busy]) < 2e-3  # bf16 rows and fp16 partials
     assert relative_l2_error(ref_out[busy] * 1.01, ref_out[busy]) > 9e-3  # and the measure sees a 1% change
+
+
+def test_lse_max_error_is_the_largest_difference_over_rows_with_kv():
+    from mla_backend.reference import lse_max_error
+
+    ref = torch.tensor([[1.0, -math.inf], [2.5, 0.0]])
+    assert lse_max_error(ref.clone(), ref) == 0.0
+    assert lse_max_error(ref + torch.tensor([[0.0, 0.0], [-0.25, 0.125]]), ref) == 0.25  # -inf - 0 stays -inf
+    nan_row = ref.clone()
+    nan_row[1, 0] = float("nan")
+    assert lse_max_error(nan_row, ref) == math.inf
+    filled = ref.clone()
+    filled[0, 1] = 0.0  # a row without KV given a finite lse
+    assert lse_max_error(filled, ref) == math.inf
+    assert lse_max_error(torch.full((2,), -math.inf), torch.full((2,), -math.inf)) == 0.0

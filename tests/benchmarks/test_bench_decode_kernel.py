@@ -18,6 +18,7 @@ def test_a_spec_is_field_value_pairs():
     assert bk.format_overrides(bk.parse_variant("p_planes=2,skip=pv+s,causal=1")) == "p_planes=2,skip=pv+s,causal=1"
     # the shared-memory check build: timed and compared with the plain kernel like any variant
     assert bk.parse_variant("poison_smem=1") == {"poison_smem": True}
+    assert bk.parse_variant("s_chains=1") == {"s_chains": 1}  # the research switch, one accumulator chain
     assert bk.case_config((16, 4, 64, 1 << 20, 2), {"poison_smem": True}) == decode_config(16, 4, 64, poison_smem=True)
 
 
