@@ -109,13 +109,14 @@ class DecodeConfig:
     more than P's headroom in e4m3 (`softmax.rescale_slack`), so that most chunks rescale no row and the O^T
     rescale of a thread whose alphas are all 1 is skipped; the default moves it with every new max, which keeps
     the top token's p exactly 1 (lazily it lies in [1, 1.7) and takes e4m3's rounding like the others).
-    `s_chains` (research) is the number of wgmma accumulator chains S^T's 18 k32 steps run as: 2 (the default,
-    two chains of 9 summed in fp32, for the accuracy of FP8 accumulation) or 1 (one chain of 18, the count a
-    warpgroup holding Q in registers would have room for). `poison_smem` (a check for tests) sets every byte of the CTA's shared memory to 0xFF (NaN as e4m3, fp16 and
-    fp32) before the kernel uses it: a read of shared memory that the launch did not write, whose value would
-    otherwise be whatever the SM's previous kernel left there, then shows in the outputs. `skip` and `timeline`
-    are research builds (benchmarks/): `skip` leaves parts of the work out, `timeline` stores SM clock stamps of
-    chunks [timeline, timeline + TIMELINE_CHUNKS) of each stamped CTA into the workspace's last slot."""
+    `s_chains` (research) is the number of wgmma accumulator chains S^T's 18 k32 steps run as: 2 (the default, two
+    chains of 9 summed in fp32, for the accuracy of FP8 accumulation) or 1 (one chain of 18, the count a warpgroup
+    holding Q in registers would have room for). `poison_smem` (a check for tests) sets every byte of the CTA's
+    shared memory to 0xFF (NaN as e4m3, fp16 and fp32) before the kernel uses it: a read of shared memory that the
+    launch did not write, whose value would otherwise be whatever the SM's previous kernel left there, then shows in
+    the outputs. `skip` and `timeline` are research builds (benchmarks/): `skip` leaves parts of the work out,
+    `timeline` stores SM clock stamps of chunks [timeline, timeline + TIMELINE_CHUNKS) of each stamped CTA into the
+    workspace's last slot."""
 
     num_heads: int
     q_len: int
