@@ -14,10 +14,12 @@ from ..config import DecodeConfig
 from .decode_layout import BF16, FP8
 from .decode_rows16 import MLADecodeRows16SM90
 from .decode_swg import MLADecodeSwgSM90
+from .decode_swg_qregs import MLADecodeSwgQRegsSM90
 from .decode_swg_tma import MLADecodeSwgTmaSM90
 from .launch import cuda_stream, gmem_ptr
 
-SCHEDULES = {"rows16": MLADecodeRows16SM90, "swg": MLADecodeSwgSM90, "swg_tma": MLADecodeSwgTmaSM90}
+SCHEDULES = {"rows16": MLADecodeRows16SM90, "swg": MLADecodeSwgSM90, "swg_tma": MLADecodeSwgTmaSM90,
+             "swg_tma_qregs": MLADecodeSwgQRegsSM90}
 
 
 def decode_kernel(cfg: DecodeConfig):

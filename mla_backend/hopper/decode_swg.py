@@ -58,6 +58,10 @@ class MLADecodeSwgSM90(MLADecodeSM90):
         self.pv_in_softmax = self.rows == 32
         assert not self.pv_in_softmax or self.softmax_threads == SOFTMAX_THREADS
 
+    def register_budgets(self):
+        """(softmax / P.V warpgroups, S^T warpgroup) setmaxnreg budgets."""
+        return sw_register_budgets(self.rows)
+
     @cute.jit
     def _schedule(self, cta: CTAContext):
         storage = cta.storage
@@ -77,7 +81,7 @@ class MLADecodeSwgSM90(MLADecodeSM90):
     # ----------------------------------------------------------------------------- warpgroup 2: loads and S^T
     @cute.jit
     def _s_warpgroup(self, cta: CTAContext, sS: cute.Tensor, g: Int32, g_end: Int32, b: Int32):
-        cute.arch.setmaxregister_decrease(sw_register_budgets(self.rows)[1])
+        cute.arch.setmaxregister_decrease(self.register_budgets()[1])
         ROWS = self.rows
         NA = ROWS // 2
         C = CHUNK
@@ -184,7 +188,7 @@ class MLADecodeSwgSM90(MLADecodeSM90):
     @cute.jit
     def _softmax_warpgroups(self, cta: CTAContext, sS: cute.Tensor, sPw: cute.Tensor, sAlpha: cute.Tensor, g: Int32,
                             g_end: Int32, b: Int32):
-        cute.arch.setmaxregister_increase(sw_register_budgets(self.rows)[0])
+        cute.arch.setmaxregister_increase(self.register_budgets()[0])
         ROWS = self.rows
         NA = ROWS // 2
         C = CHUNK
@@ -197,7 +201,9 @@ class MLADecodeSwgSM90(MLADecodeSM90):
         vt = cute.make_rmem_tensor(cute.make_layout((4 * 4 * (C // 32),)), Int32)  # V^T of the pending P.V
         vals = cute.make_rmem_tensor(cute.make_layout((4 * self.words_per_thread,)), Float32)
         s_row = tidx // TPR  # the row of the S^T buffer this thread reads
-        srow = s_logical_row(s_row)  # the query row of the block whose S^T that is
+        srow = s_row  # the query row of the block whose S^T that is
+        if cutlass.const_expr(self.s_rows_spread):
+            srow = s_logical_row(s_row)
         ssub = tidx % TPR
         srow_g = cta.row0 + srow
         while g < g_end:

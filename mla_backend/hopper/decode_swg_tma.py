@@ -29,16 +29,22 @@ from cutlass import Float32, Int32
 from .barriers import LOAD_BAR, S_FREE, S_FULL
 from .decode_common import CTAContext
 from .decode_layout import CHUNK, SOFTMAX_THREADS, WARPGROUP
-from .decode_swg import MLADecodeSwgSM90, sw_register_budgets
+from .decode_swg import MLADecodeSwgSM90
 from .ptx import fence_proxy_async_smem
 
 
 class MLADecodeSwgTmaSM90(MLADecodeSwgSM90):
     """`MLADecodeSwgSM90` with the S^T warpgroup's loads by TMA (module docstring)."""
 
+    q_in_registers = False  # `decode_swg_qregs.py`: the S warpgroup loads Q into registers once per segment
+
+    def _s_second_registers(self):
+        """The S^T warpgroup's registers beside acc_S: the second chain's accumulators."""
+        return cute.make_rmem_tensor(cute.make_layout((self.rows // 2,)), Float32)
+
     @cute.jit
     def _s_warpgroup(self, cta: CTAContext, sS: cute.Tensor, g: Int32, g_end: Int32, b: Int32):
-        cute.arch.setmaxregister_decrease(sw_register_budgets(self.rows)[1])
+        cute.arch.setmaxregister_decrease(self.register_budgets()[1])
         ROWS = self.rows
         NA = ROWS // 2
         C = CHUNK
@@ -59,7 +65,7 @@ class MLADecodeSwgTmaSM90(MLADecodeSwgSM90):
         cute.arch.barrier(barrier_id=LOAD_BAR, number_of_threads=WARPGROUP)  # the mbarriers are initialised
         phases = Int32(0)  # bit s: the parity of stage s's next completion
         acc_S = cute.make_rmem_tensor(cute.make_layout((NA,)), Float32)
-        acc_S2 = cute.make_rmem_tensor(cute.make_layout((NA,)), Float32)
+        acc_S2 = self._s_second_registers()
         while g < g_end:
             b, seg_end, seq_len, tok_begin, tok_end, n_chunks = self._segment(cta.mReqTileStart, cta.mSeq, b, g,
                                                                               g_end, cta.t_last)
@@ -90,6 +96,9 @@ class MLADecodeSwgTmaSM90(MLADecodeSwgSM90):
                         self._zero_tail_tokens(cta.sRing, zero16, n_valid, stage, tw, WARPGROUP)
                     fence_proxy_async_smem()
                     cute.arch.barrier(barrier_id=LOAD_BAR, number_of_threads=WARPGROUP)
+                    if cutlass.const_expr(self.q_in_registers):
+                        if j == 0:
+                            self._load_q_registers(cta, acc_S2)
                 self._stamp(cta, lead, j, 0)  # "chunk landed"
                 self._issue_s_chains(acc_S, acc_S2, cta.ring_addr, cta.q_addr, stage)
                 if cutlass.const_expr(self.cfg.kv_refill == "under_s"):

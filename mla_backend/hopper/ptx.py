@@ -14,7 +14,7 @@ kernel addresses its FP8 tiles itself and uses these primitives:
   commit and wait around them.
 - `cp_async_16_l2_128`: a 16-byte cp.async with the L2::128B prefetch hint, which CuTe's copy atom cannot express.
 - `sm_clock` / `store_global_u32`: the SM's cycle counter and a plain global store, for the timeline builds of the
-  decode (config.DecodeConfig.timeline).
+  decode (config.DecodeConfig.timeline); `store_shared_v2_f32`: an 8-byte shared store of two floats.
 
 Shared-memory reads and the wgmma issue are marked side-effecting so LLVM keeps them in order with the barriers
 and waits that guard them; accumulators are pinned after `wgmma_wait` with `fence_operand`.
@@ -117,7 +117,8 @@ def quantize_p_hi_lo(p0, p1, p2, p3, *, loc=None, ip=None):
 # rows of 128 bytes in 8-row (1024 B) atoms; the leading offset is unused there (encoded 1), the stride offset
 # is the atom size. Moving along K inside a row is done by adding bytes / 16 to the start address.
 DESC_LO_SWIZZLE128 = 1 << 16
-DESC_HI_SWIZZLE128 = (1024 >> 4) | (1 << 30)
+DESC_HI_LAYOUT_SWIZZLE128 = 1 << 30  # bits 62-63 of the descriptor, seen from its high word
+DESC_HI_SWIZZLE128 = (1024 >> 4) | DESC_HI_LAYOUT_SWIZZLE128
 
 
 @dsl_user_op
@@ -193,10 +194,12 @@ def wgmma_ss_e4m3(a_addr, b_addr, acc, accumulate, *, loc=None, ip=None):
 
 
 @dsl_user_op
-def wgmma_rs_e4m3(a, b_addr, b_lbo: int, b_sbo: int, acc, *, loc=None, ip=None):
+def wgmma_rs_e4m3(a, b_addr, b_lbo: int, b_sbo: int, acc, *, b_swizzle128: bool = False, loc=None, ip=None):
     """D += A.B^T, wgmma m64nNk32 e4m3 -> f32 with A from registers (4 Int32, the mma.m16n8k32 A fragment of
-    this warp's 16 rows) and B from shared memory in the K-major no-swizzle layout: 8-row x 16-byte core
-    matrices of 128 contiguous bytes, b_lbo bytes apart along K and b_sbo bytes apart along N."""
+    this warp's 16 rows) and B from shared memory K-major: without swizzle 8-row x 16-byte core matrices of 128
+    contiguous bytes, b_lbo bytes apart along K and b_sbo bytes apart along N; with b_swizzle128 rows of 128
+    bytes in the 128B swizzle (b_lbo 16, b_sbo 1024: the ring's and Q's layout), b_addr advanced to the k32 step
+    as for `wgmma_ss_e4m3`."""
     n_acc = len(acc)
     n = n_acc * 2
     outs = ", ".join(f"${i}" for i in range(n_acc))
@@ -205,7 +208,7 @@ def wgmma_rs_e4m3(a, b_addr, b_lbo: int, b_sbo: int, acc, *, loc=None, ip=None):
     operands = [Int32(x).ir_value(loc=loc, ip=ip) for x in a] + [Int32(b_addr).ir_value(loc=loc, ip=ip)]
     operands += [Float32(x).ir_value(loc=loc, ip=ip) for x in acc]
     desc_lo = (b_lbo >> 4) << 16
-    desc_hi = b_sbo >> 4
+    desc_hi = (b_sbo >> 4) | (DESC_HI_LAYOUT_SWIZZLE128 if b_swizzle128 else 0)
     asm = (
         "{\n"
         ".reg .b32 blo, dhi;\n"
@@ -237,3 +240,11 @@ def store_global_u32(gmem_addr, value, *, loc=None, ip=None):
     """st.global.u32 of value at a 64-bit global address."""
     _asm(None, [Int64(gmem_addr).ir_value(loc=loc, ip=ip), Int32(value).ir_value(loc=loc, ip=ip)],
          "st.global.u32 [$0], $1;", "l,r", True, loc, ip)
+
+
+@dsl_user_op
+def store_shared_v2_f32(smem_addr, x, y, *, loc=None, ip=None):
+    """st.shared.v2.f32 of (x, y) at an 8-byte-aligned shared address (32-bit, shared window)."""
+    _asm(None, [Int32(smem_addr).ir_value(loc=loc, ip=ip), Float32(x).ir_value(loc=loc, ip=ip),
+                Float32(y).ir_value(loc=loc, ip=ip)],
+         "st.shared.v2.f32 [$0], {$1, $2};", "r,f,f", True, loc, ip)

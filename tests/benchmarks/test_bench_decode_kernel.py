@@ -19,6 +19,7 @@ def test_a_spec_is_field_value_pairs():
     # the shared-memory check build: timed and compared with the plain kernel like any variant
     assert bk.parse_variant("poison_smem=1") == {"poison_smem": True}
     assert bk.parse_variant("s_chains=1") == {"s_chains": 1}  # the research switch, one accumulator chain
+    assert bk.case_config((16, 4, 64, 1 << 20, 2), bk.parse_variant("q_in_registers=1")).schedule == "swg_tma_qregs"
     assert bk.case_config((16, 4, 64, 1 << 20, 2), {"poison_smem": True}) == decode_config(16, 4, 64, poison_smem=True)
 
 

@@ -137,6 +137,20 @@ def test_poisoned_shared_memory_builds_compile(heads, q_len, page_size, options)
     assert sum(regions.values()) <= SM90_SMEM_CAPACITY
 
 
+@pytest.mark.parametrize("heads,q_len", [(16, 4), (128, 1)])
+def test_q_in_registers_builds_compile(heads, q_len):
+    """The schedule with Q in the S warpgroup's registers (`DecodeConfig.q_in_registers`, research) compiles at 64
+    rows, with the one S chain it has room for."""
+    from mla_backend.config import decode_config
+    from mla_backend.hopper.decode import compile_decode, decode_kernel
+    from mla_backend.hopper.decode_swg_qregs import MLADecodeSwgQRegsSM90
+
+    cfg = decode_config(heads, q_len, 64, q_in_registers=True)
+    assert (cfg.rows_per_block, cfg.s_chains, cfg.schedule) == (64, 1, "swg_tma_qregs")
+    assert isinstance(decode_kernel(cfg), MLADecodeSwgQRegsSM90)
+    assert compile_decode(cfg) is not None
+
+
 def test_research_switches_are_checked():
     from mla_backend.config import decode_config
 
@@ -146,6 +160,9 @@ def test_research_switches_are_checked():
         decode_config(12, 1, 32, timeline=0)
     with pytest.raises(ValueError, match="s_chains must be 1 or 2"):
         decode_config(128, 1, 64, s_chains=3)
+    for options in ({"rows_per_block": 48}, {"kv_loads": "cp_async"}, {"s_chains": 2}):
+        with pytest.raises(ValueError, match="q_in_registers is a form of the TMA S"):
+            decode_config(128, 1, 64, q_in_registers=True, **options)
 
 
 def ptxas_path():
@@ -243,6 +260,10 @@ GPU_CASES = [
     (12, 1, 32, 64, True, [1, 31, 32, 33, 65, 700, 4000, 130], 16, {"lazy_rescale": True}),
     (12, 8, 32, 64, True, [8, 9, 100, 1000, 4000, 65], 9, {**ROWS_48, "lazy_rescale": True}),
     (128, 1, 64, 64, True, [1, 700, 3000, 64], 8, {**ROWS_64, "lazy_rescale": True}),
+    # S = Q.K^T with Q in the S warpgroup's registers and one S chain (q_in_registers, research)
+    (128, 1, 64, 64, True, [1, 700, 3000, 64], 8, {**ROWS_64, "q_in_registers": True}),
+    (16, 4, 64, 32, True, [4, 5, 64, 1500, 77], 9, {**ROWS_64, "q_in_registers": True}),
+    (12, 8, 32, 64, True, [8, 9, 100, 1000, 4000, 65], 9, {**ROWS_64, "q_in_registers": True}),  # padding rows
 ]
 
 
@@ -339,6 +360,7 @@ POISON_CASES = [
     (16, 4, 64, 64, [0, 4, 5, 64, 1500, 77, 10779, 238], 24, {}),  # 64 rows, whole-chunk boxes
     (128, 1, 64, 64, [1, 700, 3000, 64], 8, {"kv_loads": "cp_async"}),  # 64 rows, cp.async
     (16, 4, 64, 32, [4, 5, 64, 1500, 77], 9, {"kv_refill": "after_store"}),  # tiles of 32: chunks across pages
+    (16, 4, 64, 64, [0, 4, 5, 64, 1500, 77, 10779, 238], 24, {"q_in_registers": True}),  # S stored by rows
 ]
 
 
@@ -401,3 +423,6 @@ def test_s_warpgroup_register_budgets_add_up():
     for rows in (32, 48, 64):
         pv, s = sw_register_budgets(rows)
         assert 2 * pv + s == 3 * 168
+    from mla_backend.hopper.decode_swg_qregs import QREGS_PV, QREGS_S
+
+    assert 2 * QREGS_PV + QREGS_S == 3 * 168

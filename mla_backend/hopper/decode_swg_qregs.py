@@ -1,0 +1,100 @@
+"""The TMA S^T-warpgroup schedule (`decode_swg_tma.py`) for 64-row blocks with S = Q.K^T as the S warpgroup's MMA
+and Q in its registers (research: `DecodeConfig.q_in_registers`).
+
+Today's S^T = K.Q^T reads both operands from shared memory: per chunk 36 KB of K and 36 KB of Q at 64 rows, while
+the softmax warpgroups' V^T ldmatrix, S^T reads and P writes share the same pipe (performance.md: a chunk's V^T
+loads take 500-600 cycles there against ~256 alone). With the query rows as M (64 rows fill wgmma's M exactly)
+Q is the A operand, which wgmma can take from registers: the S warpgroup loads the first 448 bytes of the block's
+Q rows into 56 registers once per segment (14 k32 steps x the 4-register mma.m16n8k32 A fragment of its warp's
+16 rows, by ldmatrix from sQ after its cp.async lands), so each chunk's wgmmas read K (the B operand, in the
+ring's 128B-swizzled K-major layout) and only the last 4 steps' 8 KB of Q. S accumulates as one chain of 18 steps
+(56 + 32 registers fit the S warpgroup's 120; two chains would need 32 more), as FlashMLA's dense FP8 kernel
+does (`DecodeConfig.s_chains`). The accumulator holds rows 16 wl + lg (+ 8) x tokens 8 i + 2 lt (+ 1): stored as
+8-byte pairs into S's buffer rows in order (no spreading: each half warp's pairs meet every bank once).
+
+Registers: 192 / 120 (the sum a 384-thread launch gives, as in `decode_swg.py`).
+
+Not yet run on a GPU: its correctness case in tests/hopper/test_decode.py and its timing are the next step.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+
+from .decode_layout import CHUNK, KV_BLOCKS, S_STRIDE
+from .decode_swg_tma import MLADecodeSwgTmaSM90
+from .ptx import fence_operand, ldmatrix_x4, store_shared_v2_f32, wgmma_commit, wgmma_rs_e4m3, wgmma_wait
+
+# The 18 k32 steps of the 576 bytes: the first 14 with Q's A fragments in registers (56), the last 4 (bytes 448-575)
+# with Q read from sQ. ptxas (sm_90a, 192 / 120): 18 in registers spill 128 bytes and serialise the wgmmas, 16
+# spill 32 and serialise them, 14 and 12 neither.
+K_STEPS_REGS = 14
+K_STEPS_SMEM = 4
+QREGS_PV, QREGS_S = 192, 120
+
+
+class MLADecodeSwgQRegsSM90(MLADecodeSwgTmaSM90):
+    """`MLADecodeSwgTmaSM90` at 64 rows with S = Q.K^T, Q in the S warpgroup's registers (module docstring)."""
+
+    q_in_registers = True
+    s_rows_spread = False
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        assert self.rows == 64 and cfg.s_chains == 1
+
+    def register_budgets(self):
+        return QREGS_PV, QREGS_S
+
+    def _s_second_registers(self):
+        """Q's wgmma A fragments: 4 registers per k32 step."""
+        return cute.make_rmem_tensor(cute.make_layout((4 * K_STEPS_REGS,)), Int32)
+
+    @cute.jit
+    def _load_q_registers(self, cta, q_regs: cute.Tensor):
+        """Q of the block from sQ (landed and fenced) into the A fragments of this warp's rows 16 wl .. 16 wl + 15:
+        ldmatrix.x4 matrix m = lane / 8 is rows + 8 (m % 2) x bytes + 16 (m / 2) of the k32 step, so lane (g, t)
+        gets bytes 4t .. 4t + 3 of rows g and g + 8, then of the step's second 16 bytes."""
+        ROWS = self.rows
+        m = cta.lane // 8
+        r = 16 * cta.wl + cta.lane % 8 + 8 * (m % 2)
+        for ks in cutlass.range_constexpr(K_STEPS_REGS):
+            piece = (ks % 4) * 2 + m // 2  # the 16-byte piece of block ks / 4
+            a = ldmatrix_x4(cta.q_addr + (ks // 4) * (ROWS * 128) + r * 128 + ((piece ^ (r % 8)) * 16))
+            for k in cutlass.range_constexpr(4):
+                q_regs[4 * ks + k] = a[k]
+
+    @cute.jit
+    def _issue_s_chains(self, acc_S: cute.Tensor, q_regs: cute.Tensor, ring_addr: Int32, q_addr: Int32,
+                        stage: Int32):
+        """Issue (and commit) S = Q.K^T of the chunk in `stage` as one chain: the last K_STEPS_SMEM k32 steps with
+        Q from sQ (the first from zero; their own commit group), then the first K_STEPS_REGS with Q from
+        registers."""
+        C = CHUNK
+        stage_addr = ring_addr + stage * (C * 128 * KV_BLOCKS)
+        self._issue_s(acc_S, ring_addr, q_addr, stage, K_STEPS_REGS, K_STEPS_SMEM, True)
+        for ks in cutlass.range_constexpr(K_STEPS_REGS if self.cfg.runs("s") else 0):
+            d = wgmma_rs_e4m3([q_regs[4 * ks + k] for k in range(4)],
+                              stage_addr + (ks // 4) * (C * 128) + (ks % 4) * 32, 16, 1024,
+                              [acc_S[i] for i in range(C // 2)], b_swizzle128=True)
+            for i in cutlass.range_constexpr(C // 2):
+                acc_S[i] = d[i]
+        wgmma_commit()
+
+    @cute.jit
+    def _sum_s_chains(self, acc_S: cute.Tensor, q_regs: cute.Tensor):
+        """Wait for S (one chain: nothing to add)."""
+        wgmma_wait(0)
+
+    @cute.jit
+    def _store_s(self, acc_S: cute.Tensor, sS_chunk: cute.Tensor, part: Int32, wl: Int32, lg: Int32, lt: Int32):
+        """S after wgmma_wait into sS_chunk (row, token): acc_S[4i + e] = (row 16 wl + lg, token 8i + 2 lt + e),
+        [4i + 2 + e] = row + 8, as 8-byte pairs."""
+        for i in cutlass.range_constexpr(CHUNK // 2):
+            acc_S[i] = fence_operand(acc_S[i])
+        row_addr = sS_chunk.iterator.toint() + ((16 * wl + lg) * S_STRIDE + 2 * lt) * 4
+        for i in cutlass.range_constexpr(CHUNK // 8 if self.cfg.runs("store_s") else 0):
+            store_shared_v2_f32(row_addr + 32 * i, acc_S[4 * i + 0], acc_S[4 * i + 1])
+            store_shared_v2_f32(row_addr + 8 * S_STRIDE * 4 + 32 * i, acc_S[4 * i + 2], acc_S[4 * i + 3])
