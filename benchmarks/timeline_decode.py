@@ -39,9 +39,11 @@ from mla_backend.hopper.decode_common import TIMELINE_CTAS, TIMELINE_SLOTS  # no
 PROG = "timeline_decode.py"
 # the events of the stamp slots of a chunk (the kernel's `_stamp` calls): the S^T warpgroup's at slots 0-4,
 # softmax warpgroup wg's at 8 + 8 wg + k
-# (by schedule: the TMA one stamps slot 3 once S_FREE is passed, and its loads are boxes)
+# (by schedule: the TMA ones stamp slot 3 once S_FREE is passed, and their loads are boxes; Q in registers runs
+# the TMA loop)
 S_EVENTS = {"swg": ["chunk landed", "S^T done", "S^T stored", "S_FREE wait begins", "copies issued"],
             "swg_tma": ["chunk landed", "S^T done", "S^T stored", "S_FREE passed", "boxes issued"]}
+S_EVENTS["swg_tma_qregs"] = S_EVENTS["swg_tma"]
 P_EVENTS = ["S_FULL passed", "softmax done", "P.V(ci-1) done", "V^T loaded", "P barrier passed", "O^T rescaled",
             "P.V issued"]
 

@@ -28,6 +28,17 @@ def test_a_variant_is_stamped_and_a_16_row_case_is_refused():
         tl.timeline_config((12, 8, 32, 4096, 1), -1)
 
 
+def test_every_schedule_a_timeline_stamps_names_its_events():
+    """The S^T warpgroup's five events are named for each schedule a timeline build can run: cp.async loads, TMA
+    loads, and TMA with Q in registers (which failed with a KeyError before it was named)."""
+    schedules = set()
+    for overrides in ({"kv_loads": "cp_async"}, {}, {"q_in_registers": True}):
+        cfg = tl.timeline_config((128, 1, 64, 1 << 17, 4), 60, overrides)
+        assert len(tl.S_EVENTS[cfg.schedule]) == 5
+        schedules.add(cfg.schedule)
+    assert schedules == {"swg", "swg_tma", "swg_tma_qregs"}
+
+
 def test_main_refuses_bad_arguments_before_anything_runs(capsys):
     assert tl.main(["--case", "12 1 32 4096 1"]) == 2
     assert "S^T-warpgroup schedule" in capsys.readouterr().err
