@@ -56,6 +56,11 @@ class FlashMLAStep:
         self.out = None
         self.lse = None
 
+    def lse_rows(self):
+        """The lse of the last call as ours is laid out, (batch, q_len, heads): FlashMLA returns it as (batch,
+        heads, q_len), in natural log as ours."""
+        return self.lse.transpose(1, 2)
+
     def __call__(self):
         inp = self.inp
         meta, num_splits = self.ext.get_mla_decoding_metadata_dense_fp8(inp.seq_lens, self.rows, 1)

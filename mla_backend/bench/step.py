@@ -11,7 +11,8 @@ cache once; each case's pages are the first pages of that pool (`case_kv`). `--k
 case its own allocation, made after the previous case's memory went back to the driver.
 
 `--peer flashmla` also times FlashMLA's dense FP8 decode (`peers.py`) on the same inputs, its replays alternating
-with ours, and reports ours / FlashMLA and both errors against the fp32 reference; `--many-rows` selects the
+with ours, and reports ours / FlashMLA and both kernels' errors against the fp32 reference (the output's relative
+L2 error and the largest lse difference); `--many-rows` selects the
 compute-bound shapes it is compared on. `--p-precision fp8 --p-precision fp8x2` runs each case in both modes.
 
 A step is timed by CUDA events around one graph replay, after the L2 flush and a spin kernel that keeps the GPU
@@ -81,7 +82,7 @@ def _time_parts(case: Case, inp, kernel_times: bool) -> None:
 def run_case(case: Case, bandwidth: float, fp8_flops: float, reps: int, check: bool, kernel_times: bool = False,
              flush_mode: str = "read", kv_pool: Optional[torch.Tensor] = None, page_order: str = "random",
              peer: Optional[str] = None, peer_path: Optional[str] = None):
-    from ..reference import mla_decode_reference, relative_l2_error
+    from ..reference import lse_max_error, mla_decode_reference, relative_l2_error
 
     inp = case_inputs(case, kv_pool, page_order)
 
@@ -98,12 +99,15 @@ def run_case(case: Case, bandwidth: float, fp8_flops: float, reps: int, check: b
         peer_fn()
     torch.cuda.synchronize()
     if check or peer_fn is not None:
-        ref_out, _ = mla_decode_reference(inp.q, inp.kv, inp.block_table, inp.seq_lens,
-                                          softmax_scale=inp.softmax_scale, q_scale=inp.q_scale, k_scale=inp.k_scale)
+        ref_out, ref_lse = mla_decode_reference(inp.q, inp.kv, inp.block_table, inp.seq_lens,
+                                                softmax_scale=inp.softmax_scale, q_scale=inp.q_scale,
+                                                k_scale=inp.k_scale)
         case.results["rel_err"] = relative_l2_error(inp.out, ref_out)
+        case.results["lse_err"] = lse_max_error(inp.lse, ref_lse)
         if peer_fn is not None:
             case.results["peer_rel_err"] = relative_l2_error(peer_fn.out, ref_out)
-        del ref_out
+            case.results["peer_lse_err"] = lse_max_error(peer_fn.lse_rows(), ref_lse)
+        del ref_out, ref_lse
     graph = capture(step)
     peer_graph = capture(peer_fn) if peer_fn is not None else None
     flush = torch.zeros(L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
@@ -219,11 +223,11 @@ def main(argv=None) -> int:
         r = case.results
         kernels = "".join(f"  {kind} kernel {r[kind + '_kernel_us']:.1f} us" for kind in KERNEL_NAMES + ALONE_NAMES
                           if kind + "_kernel_us" in r)
-        peer = (f"  {args.peer} {r['peer_us']:.1f} us ({r['vs_peer']:.2f}x, err {r['peer_rel_err']:.1e})"
-                if "peer_us" in r else "")
+        peer = (f"  {args.peer} {r['peer_us']:.1f} us ({r['vs_peer']:.2f}x, err {r['peer_rel_err']:.1e}, lse "
+                f"{r['peer_lse_err']:.1e})" if "peer_us" in r else "")
         print(f"  {case.name:<28} {r['time_us']:9.1f} us  floor {r['floor_us']:8.1f} us  ratio {r['ratio']:5.2f}"
               + f"  planner {r['planner_us']:5.1f} us  combine {r['combine_us']:5.1f} us" + kernels
-              + (f"  err {r['rel_err']:.1e}" if "rel_err" in r else "") + peer
+              + (f"  err {r['rel_err']:.1e}, lse {r['lse_err']:.1e}" if "rel_err" in r else "") + peer
               + f"  ({time.perf_counter() - t0:.0f} s)", flush=True)
     write_results(cases, args)
     return 0
@@ -234,9 +238,10 @@ def write_results(cases, args) -> None:
     os.makedirs(args.out_dir, exist_ok=True)
     csv_path = os.path.join(args.out_dir, "bench_decode.csv")
     peer = [("peer_us", f"{args.peer} (us)"), ("vs_peer", f"ours / {args.peer}"),
-            ("peer_ratio", f"{args.peer} / floor"), ("peer_rel_err", f"{args.peer} error")] if args.peer else []
+            ("peer_ratio", f"{args.peer} / floor"), ("peer_rel_err", f"{args.peer} error"),
+            ("peer_lse_err", f"{args.peer} lse error")] if args.peer else []
     extra = KERNEL_NAMES + ALONE_NAMES if args.kernel_times else []
-    errors = [("rel_err", "error")] if args.check or args.peer else []
+    errors = [("rel_err", "error"), ("lse_err", "lse error")] if args.check or args.peer else []
     keys = (["time_us", "floor_us", "ratio", "kv_mb", "bound", "spread", "planner_us", "combine_us", "exposed_us"]
             + [f"{kind}_kernel_us" for kind in extra] + [k for k, _ in errors] + [k for k, _ in peer])
     with open(csv_path, "w", newline="") as f:
