@@ -110,9 +110,9 @@ class DecodeConfig:
     rescale of a thread whose alphas are all 1 is skipped; the default moves it with every new max, which keeps
     the top token's p exactly 1 (lazily it lies in [1, 1.7) and takes e4m3's rounding like the others).
     `s_chains` (research) is the number of wgmma accumulator chains S^T's 18 k32 steps run as: 2 (the default, two
-    chains of 9 summed in fp32, for the accuracy of FP8 accumulation) or 1 (one chain of 18, the count a warpgroup
-    holding Q in registers would have room for); `q_in_registers` (research, 64 rows, TMA, one chain) runs S = Q.K^T
-    with Q in the S warpgroup's registers (`hopper/decode_swg_qregs.py`). `poison_smem` (a check for tests) sets
+    chains of 9 summed in fp32, for the accuracy of FP8 accumulation) or 1 (one chain of 18); `q_in_registers`
+    (research, 64 rows, TMA; one S chain unless s_chains=2 is asked for) runs S = Q.K^T with Q in the S warpgroup's
+    registers (`hopper/decode_swg_qregs.py`). `poison_smem` (a check for tests) sets
     every byte of the CTA's shared memory to 0xFF (NaN as e4m3, fp16 and fp32) before the kernel uses it: a read of
     shared memory that the launch did not write, whose value would otherwise be whatever the SM's previous kernel
     left there, then shows in the outputs. `skip` and `timeline` are research builds (benchmarks/): `skip` leaves
@@ -180,9 +180,8 @@ class DecodeConfig:
             raise ValueError("pv_order='per_tile' is an order of 48- and 64-row blocks without lazy_rescale")
         if self.s_chains not in (1, 2):
             raise ValueError(f"s_chains must be 1 or 2 (accumulator chains of S^T's k steps), got {self.s_chains}")
-        if self.q_in_registers and (self.rows_per_block != 64 or self.kv_loads != "tma" or self.s_chains != 1):
-            raise ValueError("q_in_registers is a form of the TMA S^T-warpgroup schedule for 64-row blocks with "
-                             "s_chains=1")
+        if self.q_in_registers and (self.rows_per_block != 64 or self.kv_loads != "tma"):
+            raise ValueError("q_in_registers is a form of the TMA S^T-warpgroup schedule for 64-row blocks")
         unknown = set(self.skip) - set(DECODE_PARTS)
         if unknown:
             raise ValueError(f"skip names unknown parts {sorted(unknown)}; known: {', '.join(DECODE_PARTS)}")
@@ -256,7 +255,7 @@ def decode_config(num_heads: int, q_len: int, page_size: int, *, tile_tokens: in
     if p_planes is None:
         p_planes = p_planes_for(env.p_precision if p_precision is None else p_precision, rows)
     if research.get("q_in_registers"):
-        research = {"s_chains": 1, **research}  # its S warpgroup has room for one chain
+        research = {"s_chains": 1, **research}  # one chain leaves the most of Q in registers
     return DecodeConfig(num_heads=num_heads, q_len=q_len, page_size=page_size, tile_tokens=tile_tokens,
                         causal=bool(causal), rows_per_block=rows,
                         num_stages=default_num_stages(rows) if num_stages is None else num_stages,

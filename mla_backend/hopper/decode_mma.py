@@ -34,10 +34,12 @@ class DecodeMMA:
 
     @cute.jit
     def _issue_s(self, acc_S: cute.Tensor, ring_addr: Int32, q_addr: Int32, stage: Int32, k0: Int32,
-                 ksteps: cutlass.Constexpr, rows_as_m: cutlass.Constexpr = False):
+                 ksteps: cutlass.Constexpr, rows_as_m: cutlass.Constexpr = False,
+                 from_zero: cutlass.Constexpr = True):
         """Issue (and commit, not wait for) S^T = K.Q^T of the chunk in `stage` over the k32 steps
-        [k0, k0 + ksteps) of the 576 bytes, the first from zero; with rows_as_m S = Q.K^T (64 rows: Q is A, the
-        chunk's tokens N). (A research build without S issues no wgmma.)"""
+        [k0, k0 + ksteps) of the 576 bytes, the first from zero (or, not from_zero, onto what acc_S holds); with
+        rows_as_m S = Q.K^T (64 rows: Q is A, the chunk's tokens N). (A research build without S issues no
+        wgmma.)"""
         C = CHUNK
         ROWS = self.rows
         stage_addr = ring_addr + stage * (C * 128 * KV_BLOCKS)
@@ -50,7 +52,7 @@ class DecodeMMA:
             k_addr = stage_addr + kb * (C * 128) + koff
             q_step = q_addr + kb * (ROWS * 128) + koff
             d = wgmma_ss_e4m3(q_step if rows_as_m else k_addr, k_addr if rows_as_m else q_step,
-                              [acc_S[i] for i in range(n_acc)], 0 if kk == 0 else 1)
+                              [acc_S[i] for i in range(n_acc)], 0 if kk == 0 and from_zero else 1)
             for i in cutlass.range_constexpr(n_acc):
                 acc_S[i] = d[i]
         wgmma_commit()

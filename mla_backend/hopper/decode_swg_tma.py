@@ -38,6 +38,10 @@ class MLADecodeSwgTmaSM90(MLADecodeSwgSM90):
 
     q_in_registers = False  # `decode_swg_qregs.py`: the S warpgroup loads Q into registers once per segment
 
+    def _s_accumulators(self):
+        """The first S^T chain's accumulators."""
+        return cute.make_rmem_tensor(cute.make_layout((self.rows // 2,)), Float32)
+
     def _s_second_registers(self):
         """The S^T warpgroup's registers beside acc_S: the second chain's accumulators."""
         return cute.make_rmem_tensor(cute.make_layout((self.rows // 2,)), Float32)
@@ -46,7 +50,6 @@ class MLADecodeSwgTmaSM90(MLADecodeSwgSM90):
     def _s_warpgroup(self, cta: CTAContext, sS: cute.Tensor, g: Int32, g_end: Int32, b: Int32):
         cute.arch.setmaxregister_decrease(self.register_budgets()[1])
         ROWS = self.rows
-        NA = ROWS // 2
         C = CHUNK
         NS = self.cfg.num_stages
         NT = self.num_threads
@@ -64,7 +67,7 @@ class MLADecodeSwgTmaSM90(MLADecodeSwgSM90):
             cute.arch.mbarrier_init_fence()
         cute.arch.barrier(barrier_id=LOAD_BAR, number_of_threads=WARPGROUP)  # the mbarriers are initialised
         phases = Int32(0)  # bit s: the parity of stage s's next completion
-        acc_S = cute.make_rmem_tensor(cute.make_layout((NA,)), Float32)
+        acc_S = self._s_accumulators()
         acc_S2 = self._s_second_registers()
         while g < g_end:
             b, seg_end, seq_len, tok_begin, tok_end, n_chunks = self._segment(cta.mReqTileStart, cta.mSeq, b, g,

@@ -194,7 +194,8 @@ def wgmma_ss_e4m3(a_addr, b_addr, acc, accumulate, *, loc=None, ip=None):
 
 
 @dsl_user_op
-def wgmma_rs_e4m3(a, b_addr, b_lbo: int, b_sbo: int, acc, *, b_swizzle128: bool = False, loc=None, ip=None):
+def wgmma_rs_e4m3(a, b_addr, b_lbo: int, b_sbo: int, acc, *, b_swizzle128: bool = False, accumulate: bool = True,
+                  loc=None, ip=None):
     """D += A.B^T, wgmma m64nNk32 e4m3 -> f32 with A from registers (4 Int32, the mma.m16n8k32 A fragment of
     this warp's 16 rows) and B from shared memory K-major: without swizzle 8-row x 16-byte core matrices of 128
     contiguous bytes, b_lbo bytes apart along K and b_sbo bytes apart along N; with b_swizzle128 rows of 128
@@ -219,7 +220,8 @@ def wgmma_rs_e4m3(a, b_addr, b_lbo: int, b_sbo: int, acc, *, b_swizzle128: bool 
         "and.b32 blo, blo, 0x3FFF;\n"
         f"or.b32 blo, blo, {desc_lo};\n"
         "mov.b64 db, {blo, dhi};\n"
-        "setp.eq.b32 p, blo, blo;\n"  # scale-d = true: accumulate
+        # scale-d: accumulate into acc, or (accumulate=False) write A.B^T over whatever acc holds
+        f"setp.{'eq' if accumulate else 'ne'}.b32 p, blo, blo;\n"
         f"wgmma.mma_async.sync.aligned.m64n{n}k32.f32.e4m3.e4m3 {{{outs}}}, "
         f"{{${ia}, ${ia + 1}, ${ia + 2}, ${ia + 3}}}, db, p, 1, 1;\n"
         "}"

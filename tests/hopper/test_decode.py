@@ -137,17 +137,19 @@ def test_poisoned_shared_memory_builds_compile(heads, q_len, page_size, options)
     assert sum(regions.values()) <= SM90_SMEM_CAPACITY
 
 
-@pytest.mark.parametrize("heads,q_len", [(16, 4), (128, 1)])
-def test_q_in_registers_builds_compile(heads, q_len):
+@pytest.mark.parametrize("heads,q_len,s_chains", [(16, 4, None), (128, 1, None), (128, 1, 2)])
+def test_q_in_registers_builds_compile(heads, q_len, s_chains):
     """The schedule with Q in the S warpgroup's registers (`DecodeConfig.q_in_registers`, research) compiles at 64
-    rows, with the one S chain it has room for."""
+    rows, with one S chain unless two are asked for (then fewer of Q's k32 steps live in registers)."""
     from mla_backend.config import decode_config
     from mla_backend.hopper.decode import compile_decode, decode_kernel
     from mla_backend.hopper.decode_swg_qregs import MLADecodeSwgQRegsSM90
 
-    cfg = decode_config(heads, q_len, 64, q_in_registers=True)
-    assert (cfg.rows_per_block, cfg.s_chains, cfg.schedule) == (64, 1, "swg_tma_qregs")
-    assert isinstance(decode_kernel(cfg), MLADecodeSwgQRegsSM90)
+    chains = {} if s_chains is None else {"s_chains": s_chains}
+    cfg = decode_config(heads, q_len, 64, q_in_registers=True, **chains)
+    assert (cfg.rows_per_block, cfg.s_chains, cfg.schedule) == (64, s_chains or 1, "swg_tma_qregs")
+    kernel = decode_kernel(cfg)
+    assert isinstance(kernel, MLADecodeSwgQRegsSM90) and kernel.k_steps_regs == (7 if s_chains == 2 else 14)
     assert compile_decode(cfg) is not None
 
 
@@ -160,7 +162,7 @@ def test_research_switches_are_checked():
         decode_config(12, 1, 32, timeline=0)
     with pytest.raises(ValueError, match="s_chains must be 1 or 2"):
         decode_config(128, 1, 64, s_chains=3)
-    for options in ({"rows_per_block": 48}, {"kv_loads": "cp_async"}, {"s_chains": 2}):
+    for options in ({"rows_per_block": 48}, {"kv_loads": "cp_async"}):
         with pytest.raises(ValueError, match="q_in_registers is a form of the TMA S"):
             decode_config(128, 1, 64, q_in_registers=True, **options)
 
@@ -185,18 +187,24 @@ import sys
 sys.path.insert(0, {repo!r})
 from mla_backend.config import decode_config
 from mla_backend.hopper.decode import compile_decode
-compile_decode(decode_config({h}, {q}, {p}, rows_per_block={rows}, p_planes={planes}))
+compile_decode(decode_config({h}, {q}, {p}, rows_per_block={rows}, p_planes={planes}, **{options!r}))
 """
 
+QREGS = {"q_in_registers": True}
 
-@pytest.mark.parametrize("num_heads,q_len,page_size,rows,planes", [
-    (12, 1, 32, None, 2), (16, 2, 64, None, 2), (12, 8, 32, None, 2), (128, 8, 32, None, 2), (12, 8, 32, 48, 2),
-    (128, 1, 64, 48, 2), (128, 1, 64, 64, 2), (12, 1, 32, None, 1), (12, 8, 32, None, 1), (128, 1, 64, 64, 1)])
-def test_no_spills(tmp_path, num_heads, q_len, page_size, rows, planes):
+
+@pytest.mark.parametrize("num_heads,q_len,page_size,rows,planes,options", [
+    (12, 1, 32, None, 2, {}), (16, 2, 64, None, 2, {}), (12, 8, 32, None, 2, {}), (128, 8, 32, None, 2, {}),
+    (12, 8, 32, 48, 2, {}), (128, 1, 64, 48, 2, {}), (128, 1, 64, 64, 2, {}), (12, 1, 32, None, 1, {}),
+    (12, 8, 32, None, 1, {}), (128, 1, 64, 64, 1, {}),
+    # Q in the S warpgroup's registers (research): 14 k32 steps with one S chain, 7 with two
+    (128, 1, 64, 64, 1, QREGS), (16, 4, 64, None, 2, {**QREGS, "s_chains": 2})])
+def test_no_spills(tmp_path, num_heads, q_len, page_size, rows, planes, options):
     ptxas = ptxas_path()
     assert ptxas, "ptxas (pip install 'cute-mla-fp8[test]' brings it) is needed: the spill check is part of the CPU suite"
     env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="ptx", CUTE_DSL_DUMP_DIR=str(tmp_path))
-    script = _PTX_SCRIPT.format(repo=REPO, h=num_heads, q=q_len, p=page_size, rows=rows, planes=planes)
+    script = _PTX_SCRIPT.format(repo=REPO, h=num_heads, q=q_len, p=page_size, rows=rows, planes=planes,
+                                options=options)
     subprocess.run([sys.executable, "-c", script], env=env, check=True, cwd=str(tmp_path))
     ptx = glob.glob(str(tmp_path / "*.ptx"))
     assert ptx, "no PTX kept"
@@ -210,7 +218,8 @@ def test_no_spills(tmp_path, num_heads, q_len, page_size, rows, planes):
     assert spills and all(s == 0 for s in spills), log
     assert stack and all(s == 0 for s in stack), log
     assert regs and max(regs) <= 255, log
-    assert "C7512" not in log, log  # "wgmma.mma_async instructions are serialized": too few registers
+    # "wgmma.mma_async instructions are serialized": too few registers (C7512), or for another reason
+    assert "instructions are serialized" not in log, log
     # the 16-row (ping-pong) schedule copies the KV with the L2::128B prefetch hint; the others measured slower
     # with it and keep CuTe's plain cp.async
     from mla_backend.shapes import default_rows_per_block
@@ -264,6 +273,9 @@ GPU_CASES = [
     (128, 1, 64, 64, True, [1, 700, 3000, 64], 8, {**ROWS_64, "q_in_registers": True}),
     (16, 4, 64, 32, True, [4, 5, 64, 1500, 77], 9, {**ROWS_64, "q_in_registers": True}),
     (12, 8, 32, 64, True, [8, 9, 100, 1000, 4000, 65], 9, {**ROWS_64, "q_in_registers": True}),  # padding rows
+    # the same with two S chains (7 of Q's k32 steps in registers)
+    (128, 1, 64, 64, True, [1, 700, 3000, 64], 8, {**ROWS_64, "q_in_registers": True, "s_chains": 2}),
+    (12, 8, 32, 64, True, [8, 9, 100, 1000, 4000, 65], 9, {**ROWS_64, "q_in_registers": True, "s_chains": 2}),
 ]
 
 
