@@ -70,7 +70,7 @@ def _parts(text: str) -> frozenset:
 # page_size, the plan tile_tokens; timeline builds need a spare workspace slot (benchmarks/timeline_decode.py).
 VARIANT_FIELDS = {"rows_per_block": int, "num_stages": int, "p_planes": int, "p_precision": check_p_precision,
                   "causal": _flag, "skip": _parts, "kv_loads": str, "kv_refill": str, "kv_box_tokens": int,
-                  "pv_order": str, "lazy_rescale": _flag, "poison_smem": _flag,
+                  "pv_order": str, "lazy_rescale": _flag, "unit_rescale_skip": _flag, "poison_smem": _flag,
                   "s_chains": int, "q_in_registers": _flag}
 
 

@@ -109,6 +109,8 @@ class DecodeConfig:
     more than P's headroom in e4m3 (`softmax.rescale_slack`), so that most chunks rescale no row and the O^T
     rescale of a thread whose alphas are all 1 is skipped; the default moves it with every new max, which keeps
     the top token's p exactly 1 (lazily it lies in [1, 1.7) and takes e4m3's rounding like the others).
+    `unit_rescale_skip` (research) keeps the default's max and skips the O^T rescale of a thread whose alphas are
+    all 1 (exact: alpha is 1 where a row's max did not move), as the 16-row ping-pong always does.
     `s_chains` (research) is the number of wgmma accumulator chains S^T's 18 k32 steps run as: 2 (the default, two
     chains of 9 summed in fp32, for the accuracy of FP8 accumulation) or 1 (one chain of 18); `q_in_registers`
     (research, 64 rows, TMA; one S chain unless s_chains=2 is asked for) runs S = Q.K^T with Q in the S warpgroup's
@@ -137,6 +139,7 @@ class DecodeConfig:
     kv_box_tokens: int = 32
     pv_order: str = PV_ORDERS[0]
     lazy_rescale: bool = False
+    unit_rescale_skip: bool = False
     poison_smem: bool = False
     s_chains: int = 2
     q_in_registers: bool = False
@@ -176,8 +179,9 @@ class DecodeConfig:
             raise ValueError(f"kv_refill must be one of {KV_REFILLS}, got {self.kv_refill!r}")
         if self.pv_order not in PV_ORDERS:
             raise ValueError(f"pv_order must be one of {PV_ORDERS}, got {self.pv_order!r}")
-        if self.pv_order == "per_tile" and (self.rows_per_block not in (48, 64) or self.lazy_rescale):
-            raise ValueError("pv_order='per_tile' is an order of 48- and 64-row blocks without lazy_rescale")
+        if self.pv_order == "per_tile" and (self.rows_per_block not in (48, 64) or self.skips_unit_rescale):
+            raise ValueError("pv_order='per_tile' is an order of 48- and 64-row blocks without lazy_rescale or "
+                             "unit_rescale_skip")
         if self.s_chains not in (1, 2):
             raise ValueError(f"s_chains must be 1 or 2 (accumulator chains of S^T's k steps), got {self.s_chains}")
         if self.q_in_registers and (self.rows_per_block != 64 or self.kv_loads != "tma"):
@@ -203,6 +207,11 @@ class DecodeConfig:
     def num_row_blocks(self) -> int:
         return -(-self.num_rows // self.rows_per_block)
 
+    @property
+    def skips_unit_rescale(self) -> bool:
+        """Whether the S^T-warpgroup schedule skips the O^T rescale of a thread whose alphas are all 1."""
+        return self.lazy_rescale or self.unit_rescale_skip
+
     def runs(self, part: str) -> bool:
         """Whether the kernel does this part of its work (False only in ablation builds)."""
         return part not in self.skip
@@ -222,13 +231,14 @@ def default_kv_box_tokens(page_size: int, tile_tokens: int) -> int:
     return 64 if page_size % 64 == 0 and tile_tokens % 64 == 0 else 32
 
 
-def default_pv_order(rows_per_block: int, lazy_rescale: bool = False) -> str:
-    """"per_tile" for 48 rows (without the research switch lazy_rescale, whose skip it has no form for), "whole"
+def default_pv_order(rows_per_block: int, skips_unit_rescale: bool = False) -> str:
+    """"per_tile" for 48 rows (without the research switches lazy_rescale and unit_rescale_skip, whose skip it has
+    no form for), "whole"
     otherwise. H200, decode alone, one process, outputs identical, whole ->
     per_tile: H12 q8 page 64 128K x B4 179.8 -> 169.0 and 180.1 -> 167.5 us, 1M x B1 338.2 -> 316.7 and 348.4 ->
     324.5 (two runs); at 64 rows no faster (H128 q1 page 64 128K x B4 201.1 -> 206.2, H16 q4 page 64 1M x B2
     404.0 -> 413.9), and ptxas spills 12 bytes there."""
-    return "per_tile" if rows_per_block == 48 and not lazy_rescale else "whole"
+    return "per_tile" if rows_per_block == 48 and not skips_unit_rescale else "whole"
 
 
 def default_num_stages(rows_per_block: int) -> int:
@@ -263,7 +273,9 @@ def decode_config(num_heads: int, q_len: int, page_size: int, *, tile_tokens: in
                         kv_loads=default_kv_loads(rows, tile_tokens) if kv_loads is None else kv_loads,
                         kv_box_tokens=(default_kv_box_tokens(page_size, tile_tokens) if kv_box_tokens is None
                                        else kv_box_tokens),
-                        pv_order=(default_pv_order(rows, research.get("lazy_rescale", False)) if pv_order is None
+                        pv_order=(default_pv_order(rows, bool(research.get("lazy_rescale")
+                                                               or research.get("unit_rescale_skip")))
+                                  if pv_order is None
                                   else pv_order),
                         pdl=env.pdl, arch=arch, **research)
 

@@ -284,7 +284,7 @@ class MLADecodeSwgSM90(MLADecodeSM90):
         if cutlass.const_expr(self.cfg.pv_order == "per_tile"):
             self._rescale_issue_pv(acc_O, sAlpha[None, buf], lt, a_regs, p_addr + buf * PB)
         else:
-            self._rescale_o(acc_O, sAlpha[None, buf], lt, self.cfg.lazy_rescale)
+            self._rescale_o(acc_O, sAlpha[None, buf], lt, self.cfg.skips_unit_rescale)
             self._stamp(cta, lead, ci, 8 + 8 * wg + 5)  # "O^T rescaled"
             self._issue_pv_regs(acc_O, a_regs, p_addr + buf * PB, 0)
         self._stamp(cta, lead, ci, 8 + 8 * wg + 6)  # "P.V issued"
@@ -326,6 +326,6 @@ class MLADecodeSwgSM90(MLADecodeSM90):
         self._stamp(cta, lead, ci, 8 + 8 * wg + 3)  # "V^T loaded"
         cute.arch.barrier(barrier_id=PV_BAR, number_of_threads=SOFTMAX_THREADS)  # P(ci), alpha(ci)
         self._stamp(cta, lead, ci, 8 + 8 * wg + 4)  # "P barrier passed"
-        self._rescale_o(acc_O, sAlpha[None, buf], cta.lt, self.cfg.lazy_rescale)
+        self._rescale_o(acc_O, sAlpha[None, buf], cta.lt, self.cfg.skips_unit_rescale)
         self._stamp(cta, lead, ci, 8 + 8 * wg + 5)  # "O^T rescaled"
         return row_max, row_sum

@@ -165,6 +165,21 @@ def test_research_switches_are_checked():
     for options in ({"rows_per_block": 48}, {"kv_loads": "cp_async"}):
         with pytest.raises(ValueError, match="q_in_registers is a form of the TMA S"):
             decode_config(128, 1, 64, q_in_registers=True, **options)
+    assert decode_config(12, 8, 32, unit_rescale_skip=True).pv_order == "whole"  # per_tile has no skip
+    with pytest.raises(ValueError, match="without lazy_rescale or unit_rescale_skip"):
+        decode_config(12, 8, 32, unit_rescale_skip=True, pv_order="per_tile")
+
+
+@pytest.mark.parametrize("heads,q_len,options", [(12, 8, {}), (128, 1, {}), (16, 2, {}),
+                                                 (128, 1, {"q_in_registers": True})])
+def test_unit_rescale_skip_builds_compile(heads, q_len, options):
+    """The exact skip of a thread's O^T rescale where its alphas are all 1 (`unit_rescale_skip`, research)
+    compiles at 48, 64 and 32 rows, as kernels of their own."""
+    from mla_backend.config import decode_config
+    from mla_backend.hopper.decode import compile_decode
+
+    fn = compile_decode(decode_config(heads, q_len, 64, unit_rescale_skip=True, **options))
+    assert fn is not None and fn is not compile_decode(decode_config(heads, q_len, 64, **options))
 
 
 def ptxas_path():
@@ -265,6 +280,9 @@ GPU_CASES = [
     (128, 1, 64, 64, True, [1, 700, 3000, 64], 8, {**ROWS_64, "pv_order": "per_tile"}),
     (16, 4, 64, 32, True, [4, 5, 64, 1500, 77], 9, {**ROWS_64, "pv_order": "per_tile", "p_planes": 1}),
     (12, 8, 32, 64, True, [8, 9, 100, 1000, 4000, 65], 9, {**ROWS_48, "pv_order": "whole"}),
+    # the O^T rescale skipped where a thread's alphas are all 1 (unit_rescale_skip, research)
+    (128, 1, 64, 64, True, [1, 700, 3000, 64], 8, {**ROWS_64, "unit_rescale_skip": True}),
+    (12, 8, 32, 64, True, [8, 9, 100, 1000, 4000, 65], 9, {**ROWS_48, "unit_rescale_skip": True}),
     # the running max kept within the slack of e4m3's headroom (lazy_rescale, research)
     (12, 1, 32, 64, True, [1, 31, 32, 33, 65, 700, 4000, 130], 16, {"lazy_rescale": True}),
     (12, 8, 32, 64, True, [8, 9, 100, 1000, 4000, 65], 9, {**ROWS_48, "lazy_rescale": True}),
@@ -330,6 +348,31 @@ def test_matches_reference_gpu(num_heads, q_len, page_size, tile_tokens, causal,
             torch.testing.assert_close(got_out[b], ref_out[b].float(), atol=2e-2, rtol=2e-2)
         else:  # one e4m3 plane: e4m3's own rounding of P (test_mla_decode_gpu.TOLERANCES)
             assert relative_l2_error(got_out[b], ref_out[b]) < 3e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_heads,q_len,page_size,options", [(128, 1, 64, {}), (12, 8, 32, {}), (16, 2, 64, {}),
+                                                               (16, 4, 64, {"q_in_registers": True})])
+def test_unit_rescale_skip_changes_no_bit_gpu(num_heads, q_len, page_size, options):
+    """Skipping a thread's O^T rescale where all its alphas are 1 (`unit_rescale_skip`) multiplies nothing by
+    anything but 1 less: every output and lse bit equals the build that rescales every chunk (48 rows compared
+    with the same P.V order, which the skip needs)."""
+    sys.path.insert(0, os.path.join(REPO, "tests"))
+    from mla_inputs import make_decode_inputs
+
+    from mla_backend.config import decode_config
+    from mla_backend.plan import plan_splits
+
+    lengths = [1, 700, 3000, 64, 20000]
+    q, kv, bt, seq, qs, ks = make_decode_inputs(lengths, q_len=q_len, num_heads=num_heads, page_size=page_size,
+                                                device="cuda", seed=11)
+    plan = plan_splits(seq, q_len=q_len, num_heads=num_heads, page_size=page_size, num_ctas=12)
+    every = decode_config(num_heads, q_len, page_size, pv_order="whole", **options)
+    skip = decode_config(num_heads, q_len, page_size, unit_rescale_skip=True, **options)
+    assert skip.pv_order == "whole"
+    for a, b in zip(_decode_launch(every, q, kv, bt, seq, 576 ** -0.5, qs, ks, plan),
+                    _decode_launch(skip, q, kv, bt, seq, 576 ** -0.5, qs, ks, plan)):
+        assert _same_bits(a, b)
 
 
 @pytest.mark.gpu
