@@ -45,12 +45,12 @@ class MLADecodeSwgQRegsSM90(MLADecodeSwgTmaSM90):
     q_in_registers = True
     s_rows_spread = False
 
-    def register_budgets(self):
-        return QREGS_PV, QREGS_S
-
     def __init__(self, cfg):
         super().__init__(cfg)
         self.k_steps_regs = K_STEPS_REGS[cfg.s_chains]
+
+    def register_budgets(self):
+        return QREGS_PV, QREGS_S
 
     def _s_accumulators(self):
         """S's accumulators: 32 per chain, the second chain's after the first's."""
