@@ -54,6 +54,7 @@ class MLADecodeSM90(PagedKVLoads, OnlineSoftmax, DecodeMMA, DecodeEpilogue):
     l2_prefetch_copies = False  # KV copies with the L2::128B prefetch hint (`paged_kv`)
     all_dims_per_warpgroup = False  # each softmax warpgroup accumulates all 512 dims (else half of them)
     s_rows_spread = False  # S^T's buffer rows spread over the banks (`decode_layout.s_logical_row`)
+    ring_mbarriers = 1  # mbarriers per ring stage: "chunk landed" (TMA loads), and where 2 also "chunk read"
     launch_bounds: dict = {}
 
     def __init__(self, cfg: DecodeConfig):
@@ -64,6 +65,10 @@ class MLADecodeSM90(PagedKVLoads, OnlineSoftmax, DecodeMMA, DecodeEpilogue):
         self.tpr = 1 << ((self.softmax_pool // self.rows).bit_length() - 1)
         self.softmax_threads = self.tpr * self.rows
         self.words_per_thread = (CHUNK // 4) // self.tpr  # P words (4 tokens) per softmax thread
+
+    def smem_regions(self) -> dict:
+        """Bytes of each data region of the CTA's shared memory (`decode_layout.smem_region_bytes`)."""
+        return smem_region_bytes(self.rows, self.cfg.num_stages, self.cfg.p_planes)
 
     @cute.jit
     def __call__(
@@ -124,7 +129,7 @@ class MLADecodeSM90(PagedKVLoads, OnlineSoftmax, DecodeMMA, DecodeEpilogue):
                                                                  stride=(1, V_DIM, R * V_DIM)))
         mPLse = cute.make_tensor(p_partial_lse, cute.make_layout((R, num_slots), stride=(1, R)))
 
-        region = smem_region_bytes(ROWS, NS, self.cfg.p_planes)
+        region = self.smem_regions()
 
         @cute.struct
         class SharedStorage:
@@ -136,8 +141,9 @@ class MLADecodeSM90(PagedKVLoads, OnlineSoftmax, DecodeMMA, DecodeEpilogue):
             alpha: cute.struct.Align[cute.struct.MemRange[Float32, region["alpha"] // 4], 16]
             inv_l: cute.struct.Align[cute.struct.MemRange[Float32, region["inv_l"] // 4], 16]
             row_ml: cute.struct.Align[cute.struct.MemRange[Float32, region["row_ml"] // 4], 16]
-            # one "chunk landed" mbarrier per ring stage (TMA loads only)
-            kv_full: cute.struct.Align[cute.struct.MemRange[Int64, NS], 8]
+            # (TMA loads only) a "chunk landed" mbarrier per ring stage, and with ring_mbarriers 2 a "chunk read"
+            # one per stage after them
+            kv_full: cute.struct.Align[cute.struct.MemRange[Int64, NS * self.ring_mbarriers], 8]
 
         atom_cp_async = cute.make_copy_atom(
             cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), FP8, num_bits_per_copy=128)
@@ -235,7 +241,7 @@ class MLADecodeSM90(PagedKVLoads, OnlineSoftmax, DecodeMMA, DecodeEpilogue):
         """`DecodeConfig.poison_smem`: every data region of the CTA's shared memory filled with 0xFF bytes by all
         its threads, fenced for the async proxy (the TMA copies and wgmmas that come after), before any other
         use."""
-        for name, nbytes in smem_region_bytes(self.rows, self.cfg.num_stages, self.cfg.p_planes).items():
+        for name, nbytes in self.smem_regions().items():
             words = cute.make_tensor(cute.recast_ptr(getattr(storage, name).data_ptr(), dtype=Int32),
                                      cute.make_layout((nbytes // 4,)))
             for i in range(tidx, nbytes // 4, self.num_threads):

@@ -156,18 +156,6 @@ class MLADecodeSwgSM90(MLADecodeSM90):
         cute.arch.barrier()  # the outputs are written
 
     @cute.jit
-    def _load_q_block(self, cta: CTAContext, tw: Int32, b: Int32):
-        """The S^T warpgroup's cp.async of the block's Q rows of request b (thread tw: rows tw / 4 + 32 i, pieces
-        tw % 4 + 4 k), padding rows zeroed; the caller commits them."""
-        ROWS = self.rows
-        for i in cutlass.range_constexpr(ROWS // 32):
-            self._load_q_rows(cta.mQ, cta.atom_cp_async, cta.sQ8, cta.zero16, cta.row0, tw // 4 + 32 * i, tw, b)
-        if cutlass.const_expr(ROWS % 32 != 0):
-            qrow = tw // 4 + 32 * (ROWS // 32)
-            if qrow < ROWS:
-                self._load_q_rows(cta.mQ, cta.atom_cp_async, cta.sQ8, cta.zero16, cta.row0, qrow, tw, b)
-
-    @cute.jit
     def _copy_next_chunk(self, cta: CTAContext, page_a: Int32, page_b: Int32, tok_begin: Int32, j: Int32,
                          n_chunks: Int32, tw: Int32):
         """The S^T warpgroup in iteration j: copy chunk j + NS - 1 (its two halves on pages page_a and page_b) into

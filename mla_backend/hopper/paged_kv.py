@@ -47,7 +47,8 @@ class KVBoxes:
 
 
 class PagedKVLoads:
-    """Mixin of the decode kernels (`decode_common.MLADecodeSM90`): needs self.cfg and self.l2_prefetch_copies."""
+    """Mixin of the decode kernels (`decode_common.MLADecodeSM90`): needs self.cfg, self.rows and
+    self.l2_prefetch_copies."""
 
     @cute.jit
     def _lookup_page(self, mBT: cute.Tensor, b: Int32, tok0: Int32, tok_end: Int32, tidx: Int32) -> Int32:
@@ -123,6 +124,18 @@ class PagedKVLoads:
         else:
             for k in cutlass.range_constexpr(PIECES // 4):
                 cute.autovec_copy(zero16, sQ8[None, tidx % 4 + 4 * k, qrow])
+
+    @cute.jit
+    def _load_q_block(self, cta, tw: Int32, b: Int32):
+        """A warpgroup's cp.async of the block's Q rows of request b (thread tw: rows tw / 4 + 32 i, pieces
+        tw % 4 + 4 k), padding rows zeroed; the caller commits them."""
+        ROWS = self.rows
+        for i in cutlass.range_constexpr(ROWS // 32):
+            self._load_q_rows(cta.mQ, cta.atom_cp_async, cta.sQ8, cta.zero16, cta.row0, tw // 4 + 32 * i, tw, b)
+        if cutlass.const_expr(ROWS % 32 != 0):
+            qrow = tw // 4 + 32 * (ROWS // 32)
+            if qrow < ROWS:
+                self._load_q_rows(cta.mQ, cta.atom_cp_async, cta.sQ8, cta.zero16, cta.row0, qrow, tw, b)
 
     # ----------------------------------------------------------------------------------------------- TMA path
     @cute.jit
