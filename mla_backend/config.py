@@ -114,7 +114,9 @@ class DecodeConfig:
     `s_chains` (research) is the number of wgmma accumulator chains S^T's 18 k32 steps run as: 2 (the default, two
     chains of 9 summed in fp32, for the accuracy of FP8 accumulation) or 1 (one chain of 18); `q_in_registers`
     (research, 64 rows, TMA; one S chain unless s_chains=2 is asked for) runs S = Q.K^T with Q in the S warpgroup's
-    registers (`hopper/decode_swg_qregs.py`). `poison_smem` (a check for tests) sets
+    registers (`hopper/decode_swg_qregs.py`). `chunk_pairs` (research, 64 rows, TMA, 4 ring stages unless asked
+    otherwise) runs the chunk-pairs schedule (`hopper/decode_pairs.py`): S and the softmax in the P.V warpgroups'
+    registers, two chunks a pair. `poison_smem` (a check for tests) sets
     every byte of the CTA's shared memory to 0xFF (NaN as e4m3, fp16 and fp32) before the kernel uses it: a read of
     shared memory that the launch did not write, whose value would otherwise be whatever the SM's previous kernel
     left there, then shows in the outputs. `skip` and `timeline` are research builds (benchmarks/): `skip` leaves
@@ -143,6 +145,7 @@ class DecodeConfig:
     poison_smem: bool = False
     s_chains: int = 2
     q_in_registers: bool = False
+    chunk_pairs: bool = False
 
     def __post_init__(self):
         if self.page_size <= 0 or self.page_size & (self.page_size - 1):
@@ -186,6 +189,11 @@ class DecodeConfig:
             raise ValueError(f"s_chains must be 1 or 2 (accumulator chains of S^T's k steps), got {self.s_chains}")
         if self.q_in_registers and (self.rows_per_block != 64 or self.kv_loads != "tma"):
             raise ValueError("q_in_registers is a form of the TMA S^T-warpgroup schedule for 64-row blocks")
+        if self.chunk_pairs and (self.rows_per_block != 64 or self.kv_loads != "tma" or self.q_in_registers
+                                 or self.lazy_rescale or self.pv_order != "whole" or self.timeline is not None
+                                 or self.skip & {"store_s"}):
+            raise ValueError("chunk_pairs is a schedule of 64-row blocks with the KV by TMA, without "
+                             "q_in_registers, lazy_rescale, pv_order='per_tile', timeline or skip={'store_s'}")
         unknown = set(self.skip) - set(DECODE_PARTS)
         if unknown:
             raise ValueError(f"skip names unknown parts {sorted(unknown)}; known: {', '.join(DECODE_PARTS)}")
@@ -197,6 +205,8 @@ class DecodeConfig:
             return "rows16"
         if self.q_in_registers:
             return "swg_tma_qregs"
+        if self.chunk_pairs:
+            return "pairs"
         return "swg_tma" if self.kv_loads == "tma" else "swg"
 
     @property
@@ -266,6 +276,8 @@ def decode_config(num_heads: int, q_len: int, page_size: int, *, tile_tokens: in
         p_planes = p_planes_for(env.p_precision if p_precision is None else p_precision, rows)
     if research.get("q_in_registers"):
         research = {"s_chains": 1, **research}  # one chain leaves the most of Q in registers
+    if research.get("chunk_pairs") and num_stages is None:
+        num_stages = 4  # one pair computed while the next lands (`hopper/decode_pairs.py`)
     return DecodeConfig(num_heads=num_heads, q_len=q_len, page_size=page_size, tile_tokens=tile_tokens,
                         causal=bool(causal), rows_per_block=rows,
                         num_stages=default_num_stages(rows) if num_stages is None else num_stages,

@@ -8,3 +8,10 @@ PV_BAR = 1  # warpgroups 0 and 1 (256 threads): P(ci) and alpha(ci) written
 S_FULL = 2  # + buffer (2, 3): S^T(j) stored and its chunk landed; the S^T warpgroup arrives, 0 and 1 wait
 S_FREE = 4  # + buffer (4, 5): S^T(j) read and the V^T registers of chunk j loaded; 0 and 1 arrive, the S^T wg waits
 LOAD_BAR = 6  # the S^T warpgroup alone: every copy of a chunk landed
+
+# chunk-pairs schedule (decode_pairs.py)
+PAIR_MAX_BAR = 1  # warpgroups 0 and 1 (256 threads): each one's chunk maxima of the rows written
+PAIR_P_BAR = 2  # warpgroups 0 and 1: P of both chunks and each warpgroup's alphas written
+PAIR_Q_BAR = 3  # the load warpgroup arrives once Q landed, warpgroups 0 and 1 wait (384 threads)
+PAIR_SUM_BAR = 4  # warpgroups 0 and 1 at a segment's end: warpgroup 1's row sums, then the output scales, written
+PAIR_WG_BAR = 5  # + warpgroup (5, 6): one MMA warpgroup alone, the zeroed tail of its chunk written

@@ -1,7 +1,8 @@
 """The SM90 split-KV decode: the schedule a configuration runs, its compile, and its launch on torch tensors.
 
 docs/design.md explains the kernels; `decode_rows16.py` (16-row blocks, q_len x H <= 16) and `decode_swg.py` (32,
-48 and 64 rows) are the two schedules, over the shared pieces `decode_common`, `paged_kv`, `softmax`,
+48 and 64 rows; `decode_swg_tma.py` its TMA form) are the runtime's schedules, `decode_swg_qregs.py` and
+`decode_pairs.py` research ones (64 rows), over the shared pieces `decode_common`, `paged_kv`, `softmax`,
 `decode_mma` and `epilogue`.
 """
 
@@ -12,6 +13,7 @@ from cutlass import Float16, Float32, Int32
 from .. import jit_cache
 from ..config import DecodeConfig
 from .decode_layout import BF16, FP8
+from .decode_pairs import MLADecodePairsSM90
 from .decode_rows16 import MLADecodeRows16SM90
 from .decode_swg import MLADecodeSwgSM90
 from .decode_swg_qregs import MLADecodeSwgQRegsSM90
@@ -19,7 +21,7 @@ from .decode_swg_tma import MLADecodeSwgTmaSM90
 from .launch import cuda_stream, gmem_ptr
 
 SCHEDULES = {"rows16": MLADecodeRows16SM90, "swg": MLADecodeSwgSM90, "swg_tma": MLADecodeSwgTmaSM90,
-             "swg_tma_qregs": MLADecodeSwgQRegsSM90}
+             "swg_tma_qregs": MLADecodeSwgQRegsSM90, "pairs": MLADecodePairsSM90}
 
 
 def decode_kernel(cfg: DecodeConfig):

@@ -182,6 +182,47 @@ def test_unit_rescale_skip_builds_compile(heads, q_len, options):
     assert fn is not None and fn is not compile_decode(decode_config(heads, q_len, 64, **options))
 
 
+PAIRS = {"chunk_pairs": True}
+
+
+@pytest.mark.parametrize("heads,q_len,page_size,options", [
+    (128, 1, 64, {}), (64, 1, 64, {"p_planes": 2}), (16, 4, 64, {"s_chains": 1}),
+    (16, 4, 32, {"tile_tokens": 32, "unit_rescale_skip": True}), (12, 8, 32, {"rows_per_block": 64}),
+    (128, 1, 64, {"poison_smem": True}), (128, 1, 64, {"skip": frozenset({"softmax"})}),
+    (128, 1, 64, {"skip": frozenset({"pv", "s", "load", "rescale"})})])
+def test_chunk_pairs_builds_compile(heads, q_len, page_size, options):
+    """The chunk-pairs schedule (`DecodeConfig.chunk_pairs`, research) compiles at 64 rows with 4 ring stages, for
+    both P precisions, one or two S chains, half- and whole-chunk boxes, padding rows and its research builds,
+    and its shared memory (no S^T buffers, a second mbarrier per stage) fits a CTA."""
+    from mla_backend.config import decode_config
+    from mla_backend.hopper.decode import compile_decode, decode_kernel
+    from mla_backend.hopper.decode_layout import SM90_SMEM_CAPACITY
+    from mla_backend.hopper.decode_pairs import MLADecodePairsSM90
+
+    cfg = decode_config(heads, q_len, page_size, **PAIRS, **options)
+    assert (cfg.rows_per_block, cfg.num_stages, cfg.schedule, cfg.kv_loads) == (64, 4, "pairs", "tma")
+    kernel = decode_kernel(cfg)
+    assert isinstance(kernel, MLADecodePairsSM90)
+    regions = kernel.smem_regions()
+    assert all(n > 0 and n % 16 == 0 for n in regions.values()), regions
+    assert sum(regions.values()) + 8 * 2 * cfg.num_stages <= SM90_SMEM_CAPACITY
+    assert regions["s"] == 2 * 64 * 4  # the two warpgroups' chunk maxima, no S^T buffers
+    assert compile_decode(cfg) is not None
+
+
+def test_chunk_pairs_is_checked():
+    from mla_backend.config import decode_config
+    from mla_backend.hopper.decode_pairs import PAIRS_REGS_LOAD, PAIRS_REGS_MMA
+
+    for options in ({"rows_per_block": 48}, {"kv_loads": "cp_async"}, {"q_in_registers": True},
+                    {"lazy_rescale": True}, {"pv_order": "per_tile"}, {"timeline": 0},
+                    {"skip": frozenset({"store_s"})}):
+        with pytest.raises(ValueError, match="chunk_pairs is a schedule of 64-row blocks"):
+            decode_config(128, 1, 64, chunk_pairs=True, **options)
+    assert decode_config(128, 1, 64, chunk_pairs=True, num_stages=3).num_stages == 3
+    assert 2 * PAIRS_REGS_MMA + PAIRS_REGS_LOAD == 3 * 168  # what a 384-thread launch gives each thread triple
+
+
 def ptxas_path():
     """ptxas from the test extra's nvidia-cuda-nvcc (13.4 or newer assembles the cu13 DSL's PTX 9.4), else PATH."""
     import importlib.metadata
@@ -213,7 +254,9 @@ QREGS = {"q_in_registers": True}
     (12, 8, 32, 48, 2, {}), (128, 1, 64, 48, 2, {}), (128, 1, 64, 64, 2, {}), (12, 1, 32, None, 1, {}),
     (12, 8, 32, None, 1, {}), (128, 1, 64, 64, 1, {}),
     # Q in the S warpgroup's registers (research): 14 k32 steps with one S chain, 7 with two
-    (128, 1, 64, 64, 1, QREGS), (16, 4, 64, None, 2, {**QREGS, "s_chains": 2})])
+    (128, 1, 64, 64, 1, QREGS), (16, 4, 64, None, 2, {**QREGS, "s_chains": 2}),
+    # the chunk-pairs schedule (research)
+    (128, 1, 64, 64, 1, PAIRS), (16, 4, 64, None, 2, PAIRS)])
 def test_no_spills(tmp_path, num_heads, q_len, page_size, rows, planes, options):
     ptxas = ptxas_path()
     assert ptxas, "ptxas (pip install 'cute-mla-fp8[test]' brings it) is needed: the spill check is part of the CPU suite"
@@ -294,6 +337,12 @@ GPU_CASES = [
     # the same with two S chains (7 of Q's k32 steps in registers)
     (128, 1, 64, 64, True, [1, 700, 3000, 64], 8, {**ROWS_64, "q_in_registers": True, "s_chains": 2}),
     (12, 8, 32, 64, True, [8, 9, 100, 1000, 4000, 65], 9, {**ROWS_64, "q_in_registers": True, "s_chains": 2}),
+    # the chunk-pairs schedule (research): whole- and half-chunk boxes, padding rows, one P plane, many segments a
+    # CTA with odd and even chunk counts (the ring's chunks counted across segments)
+    (128, 1, 64, 64, True, [1, 700, 3000, 64], 8, PAIRS),
+    (16, 4, 64, 32, True, [4, 5, 64, 1500, 77], 9, PAIRS),
+    (12, 8, 32, 64, True, [8, 9, 100, 1000, 4000, 65], 9, {**ROWS_64, **PAIRS}),
+    (64, 1, 64, 64, False, [1, 65, 129, 200, 64, 3, 1000, 4000, 130, 191, 257, 0], 5, {**PAIRS, "p_planes": 1}),
 ]
 
 
@@ -352,7 +401,8 @@ def test_matches_reference_gpu(num_heads, q_len, page_size, tile_tokens, causal,
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_heads,q_len,page_size,options", [(128, 1, 64, {}), (12, 8, 32, {}), (16, 2, 64, {}),
-                                                               (16, 4, 64, {"q_in_registers": True})])
+                                                               (16, 4, 64, {"q_in_registers": True}),
+                                                               (128, 1, 64, PAIRS)])
 def test_unit_rescale_skip_changes_no_bit_gpu(num_heads, q_len, page_size, options):
     """Skipping a thread's O^T rescale where all its alphas are 1 (`unit_rescale_skip`) multiplies nothing by
     anything but 1 less: every output and lse bit equals the build that rescales every chunk (48 rows compared
@@ -376,13 +426,15 @@ def test_unit_rescale_skip_changes_no_bit_gpu(num_heads, q_len, page_size, optio
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("options", [{"q_in_registers": True, "s_chains": 2}, PAIRS])
 @pytest.mark.parametrize("num_heads,q_len,page_size,lengths,seed", [
     (64, 1, 32, [0, 1, 31, 32, 33, 4095, 131072], 64), (128, 8, 64, [1, 33, 3000], 136),
     (16, 4, 64, [0, 1, 31, 32, 33, 4095, 5000], 464)])
-def test_q_in_registers_with_two_chains_keeps_the_lse_bound_gpu(num_heads, q_len, page_size, lengths, seed):
-    """Q in registers with two S chains (research) holds the op's lse bound (within 2e-3 of the fp32 reference,
-    tests/hopper/test_mla_decode_gpu.py) on the inputs of the op's tests where one chain did not (experiments.md:
-    2.4e-3 to 5.2e-3 at a few rows)."""
+def test_two_s_chains_with_the_rows_as_m_keep_the_lse_bound_gpu(num_heads, q_len, page_size, lengths, seed, options):
+    """S = Q.K^T as two chains summed in fp32, with Q in registers or in the chunk-pairs schedule (research),
+    holds the op's lse bound (within 2e-3 of the fp32 reference, tests/hopper/test_mla_decode_gpu.py) on the
+    inputs of the op's tests where one chain with Q in registers did not (experiments.md: 2.4e-3 to 5.2e-3 at a
+    few rows)."""
     sys.path.insert(0, os.path.join(REPO, "tests"))
     from mla_inputs import make_decode_inputs
 
@@ -393,7 +445,7 @@ def test_q_in_registers_with_two_chains_keeps_the_lse_bound_gpu(num_heads, q_len
     q, kv, bt, seq, qs, ks = make_decode_inputs(lengths, q_len=q_len, num_heads=num_heads, page_size=page_size,
                                                 device="cuda", seed=seed)
     plan = plan_splits(seq, q_len=q_len, num_heads=num_heads, page_size=page_size, num_ctas=16)
-    cfg = decode_config(num_heads, q_len, page_size, rows_per_block=64, q_in_registers=True, s_chains=2)
+    cfg = decode_config(num_heads, q_len, page_size, rows_per_block=64, **options)
     _, got_lse = _decode_merged(cfg, q, kv, bt, seq, 576 ** -0.5, qs, ks, plan)
     _, ref_lse = mla_decode_reference(q, kv, bt, seq, softmax_scale=576 ** -0.5, q_scale=qs, k_scale=ks)
     finite = torch.isfinite(ref_lse)
@@ -442,6 +494,7 @@ POISON_CASES = [
     (128, 1, 64, 64, [1, 700, 3000, 64], 8, {"kv_loads": "cp_async"}),  # 64 rows, cp.async
     (16, 4, 64, 32, [4, 5, 64, 1500, 77], 9, {"kv_refill": "after_store"}),  # tiles of 32: chunks across pages
     (16, 4, 64, 64, [0, 4, 5, 64, 1500, 77, 10779, 238], 24, {"q_in_registers": True}),  # S stored by rows
+    (16, 4, 64, 64, [0, 4, 5, 64, 1500, 77, 10779, 238], 24, PAIRS),  # chunk pairs, a segment's zero P
 ]
 
 
