@@ -71,7 +71,8 @@ def _parts(text: str) -> frozenset:
 VARIANT_FIELDS = {"rows_per_block": int, "num_stages": int, "p_planes": int, "p_precision": check_p_precision,
                   "causal": _flag, "skip": _parts, "kv_loads": str, "kv_refill": str, "kv_box_tokens": int,
                   "pv_order": str, "lazy_rescale": _flag, "unit_rescale_skip": _flag, "poison_smem": _flag,
-                  "s_chains": int, "q_in_registers": _flag, "chunk_pairs": _flag}
+                  "s_chains": int, "q_in_registers": _flag, "chunk_pairs": _flag,
+                  "s_ahead": _flag}
 
 
 def parse_variant(spec: str) -> dict:

@@ -15,6 +15,9 @@ they happened, which differs between copy orders: 64-row blocks issue the copies
 P.V(ci - 1) inside the softmax of chunk ci: there the softmax warpgroups have no "P.V issued" stamp, and "softmax
 done" includes that issue. `--variant SPEC` stamps a configuration with overrides (bench_decode_kernel.py's).
 
+The chunk-pairs schedule (`--variant chunk_pairs=1`, research) stamps its load warpgroup per chunk and its MMA
+warpgroups per pair of chunks (`P_EVENTS_OF`): the pairs [F, F + TIMELINE_CHUNKS), which are chunks [2F, 2F + 80).
+
 `--cta` and `--row-block` read another stamped CTA; `--first-chunk F` stamps chunks [F, F + TIMELINE_CHUNKS)
 instead of the first ones. The first chunks of a long segment need not run at the kernel's average pace: H12 q8
 1M x B1 took ~3500 cycles per chunk over chunks 4-38 and ~2960 on average over its ~248 (docs/performance.md),
@@ -46,6 +49,10 @@ S_EVENTS = {"swg": ["chunk landed", "S^T done", "S^T stored", "S_FREE wait begin
 S_EVENTS["swg_tma_qregs"] = S_EVENTS["swg_tma"]
 P_EVENTS = ["S_FULL passed", "softmax done", "P.V(ci-1) done", "V^T loaded", "P barrier passed", "O^T rescaled",
             "P.V issued"]
+# the chunk-pairs schedule (hopper/decode_pairs.py): its load warpgroup stamps slots 0-1 per chunk, its MMA
+# warpgroups 8 + 8 wg + k per pair (a "chunk" of the stamps is a pair there)
+S_EVENTS["pairs"] = ["stage read", "boxes issued"]
+P_EVENTS_OF = {"pairs": ["chunk landed", "S done", "maxima passed", "P barrier passed", "V^T loaded", "P.V issued"]}
 
 
 def timeline_config(case, first_chunk: int = 0, overrides=None):
@@ -122,9 +129,15 @@ def run_case(case, cfg, reps: int, cta: int, row_block: int) -> None:
         run()
         torch.cuda.synchronize()
         stamps = read_stamps(p_out[slots:], row_block, cta)
-        parts = [("S^T wg", phase_medians(stamps, 0, S_EVENTS[cfg.schedule]))]
-        parts += [(f"wg{w}", phase_medians(stamps, 8 + 8 * w, P_EVENTS)) for w in (0, 1)]
-        print(f"  launch {rep}: period {parts[0][1]['period']:.0f}")
+        pairs = cfg.schedule == "pairs"
+        parts = [("load wg" if pairs else "S^T wg", phase_medians(stamps, 0, S_EVENTS[cfg.schedule]))]
+        parts += [(f"wg{w}", phase_medians(stamps, 8 + 8 * w, P_EVENTS_OF.get(cfg.schedule, P_EVENTS)))
+                  for w in (0, 1)]
+        if pairs:
+            print(f"  launch {rep}: period per chunk (load wg) {parts[0][1]['period']:.0f}, per pair (wg0) "
+                  f"{parts[1][1]['period']:.0f}")
+        else:
+            print(f"  launch {rep}: period {parts[0][1]['period']:.0f}")
         for name, ph in parts:
             print(f"    {name:6}: " + ", ".join(f"{a} -> {b} {v:.0f}" for (a, b), v in
                                                ((k, v) for k, v in ph.items() if k != "period")))

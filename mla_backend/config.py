@@ -116,7 +116,8 @@ class DecodeConfig:
     (research, 64 rows, TMA; one S chain unless s_chains=2 is asked for) runs S = Q.K^T with Q in the S warpgroup's
     registers (`hopper/decode_swg_qregs.py`). `chunk_pairs` (research, 64 rows, TMA, 4 ring stages unless asked
     otherwise) runs the chunk-pairs schedule (`hopper/decode_pairs.py`): S and the softmax in the P.V warpgroups'
-    registers, two chunks a pair. `poison_smem` (a check for tests) sets
+    registers, two chunks a pair; `s_ahead` (research) issues each pair's S during the previous pair there.
+    `poison_smem` (a check for tests) sets
     every byte of the CTA's shared memory to 0xFF (NaN as e4m3, fp16 and fp32) before the kernel uses it: a read of
     shared memory that the launch did not write, whose value would otherwise be whatever the SM's previous kernel
     left there, then shows in the outputs. `skip` and `timeline` are research builds (benchmarks/): `skip` leaves
@@ -146,6 +147,7 @@ class DecodeConfig:
     s_chains: int = 2
     q_in_registers: bool = False
     chunk_pairs: bool = False
+    s_ahead: bool = False
 
     def __post_init__(self):
         if self.page_size <= 0 or self.page_size & (self.page_size - 1):
@@ -190,10 +192,11 @@ class DecodeConfig:
         if self.q_in_registers and (self.rows_per_block != 64 or self.kv_loads != "tma"):
             raise ValueError("q_in_registers is a form of the TMA S^T-warpgroup schedule for 64-row blocks")
         if self.chunk_pairs and (self.rows_per_block != 64 or self.kv_loads != "tma" or self.q_in_registers
-                                 or self.lazy_rescale or self.pv_order != "whole" or self.timeline is not None
-                                 or self.skip & {"store_s"}):
+                                 or self.lazy_rescale or self.pv_order != "whole" or self.skip & {"store_s"}):
             raise ValueError("chunk_pairs is a schedule of 64-row blocks with the KV by TMA, without "
-                             "q_in_registers, lazy_rescale, pv_order='per_tile', timeline or skip={'store_s'}")
+                             "q_in_registers, lazy_rescale, pv_order='per_tile' or skip={'store_s'}")
+        if self.s_ahead and not self.chunk_pairs:
+            raise ValueError("s_ahead is a form of the chunk_pairs schedule")
         unknown = set(self.skip) - set(DECODE_PARTS)
         if unknown:
             raise ValueError(f"skip names unknown parts {sorted(unknown)}; known: {', '.join(DECODE_PARTS)}")

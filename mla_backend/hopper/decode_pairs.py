@@ -11,25 +11,37 @@ with the 64 query rows as M (both operands in shared memory, two chains of 9 k32
 its softmax on the accumulators, where a row's 16 values of a thread and its quad's 3 others are the whole row
 (two shuffles). The two warpgroups then exchange their chunks' row maxima (shared memory, one 256-thread barrier),
 so that both take the same new max m(p) = max(m(p - 1), max S(2p), max S(2p + 1)) and both chunks' P are relative
-to it; each writes its chunk's P (e4m3 words, the P.V B operand) and, after a second barrier, rescales its O^T
-once for the pair (alpha = exp2(m(p - 1) - m(p))) and accumulates both chunks into its 256 dims: V^T of both
-chunks by ldmatrix.trans into registers (64), then 16 (32 with two P planes) back-to-back wgmmas. S^T never goes
-through shared memory, the softmax reads no shared memory, and one rescale serves two chunks.
+to it; each writes its chunk's P (e4m3 words, the P.V B operand; P's scale 256 inside the exp2, so the sums are in
+its units until the segment's end) and, after a second barrier, rescales its O^T once for the pair (alpha =
+exp2(m(p - 1) - m(p))) and accumulates both chunks into its 256 dims: V^T of the chunks by ldmatrix.trans into
+registers, 8 (16 with two P planes) wgmmas a chunk. S never goes through shared memory, the softmax reads none,
+and one rescale serves two chunks. Per chunk that moves ~176 KB through shared memory (the KV's 36 KB landing, S's
+72 KB of operands, V^T's 32 KB, P^T's 32 KB as P.V's B operand, P's 4 KB) against ~208 KB in the S^T-warpgroup
+schedule.
 
-The third warpgroup only loads. Its warp 0 issues each chunk's TMA boxes onto the stage's
-"landed" mbarrier once the stage's "read" mbarrier says both P.V warpgroups are done with the chunk it held
-(every thread of both arrives after its V^T loads of that chunk; the owner's S was waited for before); its 128
-threads copy Q by cp.async at a segment's start and arrive on PAIR_Q_BAR once it landed. The chunks are counted
-over the CTA's segments, so each stage's mbarrier phases follow from the count. A segment's last chunk is zeroed
-past its end by the warpgroup that computes its S, before that S (both warpgroups read its V^T only after the
-P barrier). A segment with an odd number of chunks ends with a pair whose second chunk does not exist: warpgroup 1
-then computes S on the first chunk's stage with every token masked, so its P is zero and its maxima -inf, and
-both warpgroups accumulate that zero P against the first chunk's V^T (no wgmma is issued under a branch, which
-would make ptxas serialise them all). The ring has 4 stages: one pair computed while the next lands.
+Two forms (`DecodeConfig.s_ahead`):
+- phase after phase (the default of the switch): S(p), the softmax and the exchanges, then P.V with V^T of both
+  chunks in registers (64) issued back to back; S(p + 1) is issued once P.V(p) is done (its 64 accumulators do
+  not fit beside O^T and both chunks' V^T), so the tensor pipe idles through each softmax;
+- S a pair ahead: S(p + 1)'s first chain (or its only chain, `s_chains=1`) is issued before the softmax of pair
+  p and runs under it, P.V(p) runs a chunk at a time (V^T of one chunk, 32 registers, beside that chain), and
+  S(p + 1)'s second chain is issued once P.V(p) is done. The same arithmetic in the same order: the outputs are
+  bit-identical to the first form's.
 
-Registers (setmaxnreg): 232 for the P.V warpgroups (O^T 128, S's two chains 64, or both chunks' V^T 64) and 40 for
-the load warpgroup, the 3 x 168 a 384-thread launch gives each thread triple. S of the next pair is issued once
-the previous pair's P.V is done, not under it: its 64 accumulators do not fit beside O^T and V^T.
+The third warpgroup only loads. Its warp 0 issues each chunk's TMA boxes onto the stage's "landed" mbarrier once
+the stage's "read" mbarrier says both P.V warpgroups are done with the chunk it held (every thread of both
+arrives after its V^T loads of that chunk; the owner's S was waited for before); its 128 threads copy Q by
+cp.async at a segment's start and arrive on PAIR_Q_BAR once it landed. The chunks are counted over the CTA's
+segments, so each stage's mbarrier phases follow from the count. A segment's last chunk is zeroed past its end
+by the warpgroup that computes its S, before that S (both warpgroups read its V^T only after the P barrier). A
+chunk past the segment's end (warpgroup 1's in a pair that has one chunk, and with S ahead the pair after the
+last) still has its S issued, with Q's own rows as the B operand (no wgmma is issued under a branch, which would
+make ptxas serialise them all) and every token masked: its P is zero and its maxima -inf, and its P.V pairs that
+zero P with the first chunk's V^T. The ring has 4 stages: one pair computed while the next lands.
+
+Registers (setmaxnreg): 232 for the P.V warpgroups (O^T 128 beside S's two chains, or both chunks' V^T, or with S
+ahead one chain, one chunk's V^T and the softmax's values) and 40 for the load warpgroup, the 3 x 168 a
+384-thread launch gives each thread triple.
 
 Not yet run on a GPU.
 """
@@ -47,11 +59,20 @@ from .barriers import PAIR_MAX_BAR, PAIR_P_BAR, PAIR_Q_BAR, PAIR_SUM_BAR, PAIR_W
 from .decode_common import CTAContext, MLADecodeSM90
 from .decode_layout import (CHUNK, KV_BLOCKS, SOFTMAX_THREADS, WARPGROUP, p_buffer_bytes, p_words_layout,
                             smem_region_bytes)
-from .ptx import fence_operand, fence_proxy_async_smem, quantize_p_e4m3, quantize_p_hi_lo, wgmma_wait
+from .ptx import (fence_operand, fence_proxy_async_smem, quantize_p_e4m3, quantize_p_hi_lo, wgmma_commit,
+                  wgmma_fence, wgmma_ss_e4m3, wgmma_wait)
 
 PAIRS_REGS_MMA, PAIRS_REGS_LOAD = 232, 40
 STAGE_BYTES = CHUNK * 128 * KV_BLOCKS
 QUAD = 4  # the lanes of a quad hold one accumulator row
+
+
+class PairSegment:
+    """What a segment's pairs read: the CTA's chunks before it (`done`), its chunks and tokens, and the ends of
+    this thread's two rows' tokens (causal)."""
+
+    def __init__(self, **values):
+        self.__dict__.update(values)
 
 
 class MLADecodePairsSM90(MLADecodeSM90):
@@ -115,14 +136,14 @@ class MLADecodePairsSM90(MLADecodeSM90):
                 for st in cutlass.range_constexpr(NS):
                     if st < n_chunks:
                         self._refill_stage(cta, boxes, bars, done + st, pages[st][0], pages[st][1],
-                                           tok_begin + st * C)
+                                           tok_begin + st * C, st)
             cute.arch.cp_async_wait_group(0)
             fence_proxy_async_smem()  # Q is a wgmma operand
             cute.arch.barrier_arrive(barrier_id=PAIR_Q_BAR, number_of_threads=self.num_threads)
             if issuer:
                 page_a, page_b = self._lookup_chunk_pages(cta.mBT, b, tok_begin + NS * C, tok_end)
                 for j in range(NS, n_chunks):
-                    self._refill_stage(cta, boxes, bars, done + j, page_a, page_b, tok_begin + j * C)
+                    self._refill_stage(cta, boxes, bars, done + j, page_a, page_b, tok_begin + j * C, j)
                     # the next chunk's page, read while this warp waits for its stage
                     page_a, page_b = self._lookup_chunk_pages(cta.mBT, b, tok_begin + (j + 1) * C, tok_end)
             cute.arch.barrier()  # segment end: every S of the segment is done, sQ may be refilled
@@ -132,17 +153,20 @@ class MLADecodePairsSM90(MLADecodeSM90):
 
     @cute.jit
     def _refill_stage(self, cta: CTAContext, boxes, bars: cute.Pointer, v: Int32, page_a: Int32, page_b: Int32,
-                      tok0: Int32):
-        """The CTA's chunk v (counted over its segments; tokens [tok0, tok0 + C) on page_a / page_b) into stage
-        v % NS, once both P.V warpgroups read the chunk v - NS it held."""
+                      tok0: Int32, j: Int32):
+        """The CTA's chunk v (chunk j of the segment, counted over the CTA's segments; tokens [tok0, tok0 + C) on
+        page_a / page_b) into stage v % NS, once both P.V warpgroups read the chunk v - NS it held."""
         NS = self.cfg.num_stages
+        lead = cute.arch.lane_idx() == 0
         stage = v % NS
         if v >= NS:
             cute.arch.mbarrier_wait(bars + NS + stage, (v // NS + 1) % 2)
+        self._stamp(cta, lead, j, 0)  # "stage read"
         # the P.V threads read the stage by ldmatrix (the generic proxy) and TMA (the async proxy) writes it
         # next: a proxy fence on the path from those reads to these writes (`decode_swg_tma._refill`)
         fence_proxy_async_smem()
         self._issue_chunk_tma(cta, boxes, bars + stage, page_a, page_b, tok0, stage)
+        self._stamp(cta, lead, j, 1)  # "boxes issued"
 
     # ----------------------------------------------------------------- warpgroups 0 and 1: S, softmax, P.V
     @cute.jit
@@ -151,22 +175,23 @@ class MLADecodePairsSM90(MLADecodeSM90):
         ROWS = self.rows
         NA = ROWS // 2
         NT = self.num_threads
-        wg, wl, lg, lt = cta.wg, cta.wl, cta.lg, cta.lt
-        r0 = 16 * wl + lg  # this thread's accumulator rows of S: r0 and r0 + 8
+        r0 = 16 * cta.wl + cta.lg  # this thread's accumulator rows of S: r0 and r0 + 8
         sPw = cute.make_tensor(cute.recast_ptr(cta.storage.p.data_ptr(), dtype=Int32),
                                p_words_layout(ROWS, self.cfg.p_planes))
         sMax = cta.storage.s.get_tensor(cute.make_layout((ROWS, 2), stride=(1, ROWS)))
         sAlpha = cta.storage.alpha.get_tensor(cute.make_layout((ROWS, 2), stride=(1, ROWS)))
         sSum = cta.storage.row_ml.get_tensor(cute.make_layout((ROWS,)))
         acc_O = cute.make_rmem_tensor(cute.make_layout((4 * NA,)), Float32)
-        acc_S = cute.make_rmem_tensor(cute.make_layout((CHUNK // 2,)), Float32)
-        acc_S2 = cute.make_rmem_tensor(cute.make_layout((CHUNK // 2,)), Float32)
+        acc_S = cute.make_rmem_tensor(cute.make_layout((CHUNK // 2,)), Float32)  # S (summed), the softmax's values
+        acc_A = cute.make_rmem_tensor(cute.make_layout((CHUNK // 2,)), Float32)  # S's first chain
+        acc_B = cute.make_rmem_tensor(cute.make_layout((CHUNK // 2,)), Float32)  # S's second chain
         done = Int32(0)  # chunks of the CTA's earlier segments
         while g < g_end:
             b, seg_end, seq_len, tok_begin, tok_end, n_chunks = self._segment(cta.mReqTileStart, cta.mSeq, b, g,
                                                                               g_end, cta.t_last)
-            row_end0 = self._row_end(tok_end, seq_len, cta.row0 + r0)
-            row_end1 = self._row_end(tok_end, seq_len, cta.row0 + r0 + 8)
+            seg = PairSegment(done=done, n_chunks=n_chunks, tok_begin=tok_begin, tok_end=tok_end,
+                              row_end0=self._row_end(tok_end, seq_len, cta.row0 + r0),
+                              row_end1=self._row_end(tok_end, seq_len, cta.row0 + r0 + 8))
             split = cta.mNumSplits[b] != 1
             slot = cta.mSplitOffset[b] + cta.cta - cta.mReqFirstCta[b]
             acc_O.fill(0.0)
@@ -175,9 +200,18 @@ class MLADecodePairsSM90(MLADecodeSM90):
             l0 = Float32(0.0)
             l1 = Float32(0.0)
             cute.arch.barrier(barrier_id=PAIR_Q_BAR, number_of_threads=NT)  # Q of the segment landed
-            for pr in range((n_chunks + 1) // 2):
-                m0, m1, l0, l1 = self._pair(cta, acc_O, acc_S, acc_S2, sPw, sMax, sAlpha, done, pr, n_chunks,
-                                            tok_begin, tok_end, row_end0, row_end1, m0, m1, l0, l1)
+            n_pairs = (n_chunks + 1) // 2
+            if cutlass.const_expr(self.cfg.s_ahead):
+                # S of pair 0 (this warpgroup's chunk, or Q's own rows where there is none)
+                self._issue_qk_chains(acc_A, acc_B, self._own_chunk_k_base(cta, seg, cta.wg), cta.q_addr)
+                for pr in range(n_pairs):
+                    m0, m1, l0, l1 = self._pair_s_ahead(cta, seg, acc_O, acc_S, acc_A, acc_B, sPw, sMax, sAlpha,
+                                                        pr, m0, m1, l0, l1)
+                wgmma_wait(0)  # the S issued past the last pair (all masked, on Q) is done with sQ
+            else:
+                for pr in range(n_pairs):
+                    m0, m1, l0, l1 = self._pair(cta, seg, acc_O, acc_S, acc_A, acc_B, sPw, sMax, sAlpha, pr, m0,
+                                                m1, l0, l1)
             cute.arch.barrier()  # segment end: every S of the segment is done, sQ may be refilled
             wgmma_wait(0)
             for i in cutlass.range_constexpr(4 * NA):
@@ -188,67 +222,160 @@ class MLADecodePairsSM90(MLADecodeSM90):
             b = b + 1
 
     @cute.jit
-    def _pair(self, cta: CTAContext, acc_O: cute.Tensor, acc_S: cute.Tensor, acc_S2: cute.Tensor,
-              sPw: cute.Tensor, sMax: cute.Tensor, sAlpha: cute.Tensor, done: Int32, pr: Int32, n_chunks: Int32,
-              tok_begin: Int32, tok_end: Int32, row_end0: Int32, row_end1: Int32, m0: Float32, m1: Float32,
-              l0: Float32, l1: Float32):
-        """Pair pr of the segment: S and the softmax of this warpgroup's chunk, the maxima exchange, P, and P.V
-        of both chunks into this warpgroup's dims (module docstring). Returns the rows' new maxima and this
-        thread's shares of their sums."""
-        C = CHUNK
-        NS = self.cfg.num_stages
+    def _pair(self, cta: CTAContext, seg, acc_O: cute.Tensor, acc_S: cute.Tensor, acc_A: cute.Tensor,
+              acc_B: cute.Tensor, sPw: cute.Tensor, sMax: cute.Tensor, sAlpha: cute.Tensor, pr: Int32, m0: Float32,
+              m1: Float32, l0: Float32, l1: Float32):
+        """Pair pr of the segment, one phase after the other: S and the softmax of this warpgroup's chunk, the
+        maxima exchange, P, then P.V of both chunks into this warpgroup's dims (module docstring). Returns the
+        rows' new maxima and this thread's shares of their sums."""
         NA = self.rows // 2
-        wg, wl, lg, lt = cta.wg, cta.wl, cta.lg, cta.lt
-        tw = cta.tidx % WARPGROUP
-        bars = cta.storage.kv_full.data_ptr()
-        r0 = 16 * wl + lg
-        c0 = 2 * pr
-        own = c0 + wg  # this warpgroup's chunk (past the segment's end: S on chunk c0's stage, all masked)
-        v0 = done + c0
-        stage0 = v0 % NS
-        s_stage = stage0
-        s_phase = (v0 // NS) % 2
-        if own < n_chunks:
-            s_stage = (v0 + wg) % NS
-            s_phase = ((v0 + wg) // NS) % 2
-        cute.arch.mbarrier_wait(bars + s_stage, s_phase)
-        n_valid = tok_end - (tok_begin + own * C)
-        if own < n_chunks:
-            if n_valid < C:
-                # the segment's last chunk ends inside a loaded page: zero the rest before S and V^T read it
-                self._zero_tail_tokens(cta.sRing, cta.zero16, n_valid, s_stage, tw, WARPGROUP)
-                fence_proxy_async_smem()
-                cute.arch.barrier(barrier_id=PAIR_WG_BAR + wg, number_of_threads=WARPGROUP)
+        lead = cta.tidx % WARPGROUP == 0
+        k_base = self._own_chunk_k_base(cta, seg, 2 * pr + cta.wg)
         # the previous pair's P.V is done: its V^T registers are free and its P buffers may be rewritten
         wgmma_wait(0)
         for i in cutlass.range_constexpr(4 * NA):
             acc_O[i] = fence_operand(acc_O[i])
-        self._issue_s_rows_as_m(acc_S, acc_S2, cta.ring_addr, cta.q_addr, s_stage)
+        self._stamp(cta, lead, pr, 8 + 8 * cta.wg + 0)  # "chunk landed"
+        self._issue_qk_chains(acc_A, acc_B, k_base, cta.q_addr)
+        self._sum_qk_chains(acc_S, acc_A, acc_B)
+        self._stamp(cta, lead, pr, 8 + 8 * cta.wg + 1)  # "S done"
+        new0, new1, alpha0, alpha1, csum0, csum1 = self._softmax_pair(cta, seg, acc_S, sPw, sMax, sAlpha, pr, m0,
+                                                                      m1)
+        # both chunks into this warpgroup's 256 dims (a missing second chunk: zero P against chunk c0's V^T)
+        stage0, stage1, has_c1 = self._pair_stages(cta, seg, pr)
+        a0 = self._load_vt(cta.ring_addr + stage0 * STAGE_BYTES, cta.wg * 4, cta.wl, cta.lane)
+        a1 = self._load_vt(cta.ring_addr + stage1 * STAGE_BYTES, cta.wg * 4, cta.wl, cta.lane)
+        self._release_pair_stages(cta, stage0, stage1, has_c1)
+        self._stamp(cta, lead, pr, 8 + 8 * cta.wg + 4)  # "V^T loaded"
+        self._rescale_o(acc_O, sAlpha[None, cta.wg], cta.lt, self.cfg.unit_rescale_skip)
+        p_addr = cta.storage.p.data_ptr().toint()
+        self._issue_pv_regs(acc_O, a0, p_addr, 0)
+        self._issue_pv_regs(acc_O, a1, p_addr + p_buffer_bytes(self.rows, self.cfg.p_planes), 0)
+        self._stamp(cta, lead, pr, 8 + 8 * cta.wg + 5)  # "P.V issued"
+        return new0, new1, l0 * alpha0 + csum0, l1 * alpha1 + csum1
 
-        # the softmax of this warpgroup's chunk, on the accumulators: acc_S[4i + e] = (row r0, token 8i + 2lt + e),
-        # acc_S[4i + 2 + e] = (row r0 + 8, same token)
-        tok0 = tok_begin + own * C
+    @cute.jit
+    def _pair_s_ahead(self, cta: CTAContext, seg, acc_O: cute.Tensor, acc_S: cute.Tensor, acc_A: cute.Tensor,
+                      acc_B: cute.Tensor, sPw: cute.Tensor, sMax: cute.Tensor, sAlpha: cute.Tensor, pr: Int32,
+                      m0: Float32, m1: Float32, l0: Float32, l1: Float32):
+        """Pair pr with S of the next pair issued early (`DecodeConfig.s_ahead`): its first chain (or its one
+        chain) under this pair's softmax, its second once this pair's P.V is done; P.V a chunk at a time (V^T of
+        one chunk in registers beside the next S's first chain). Returns as `_pair`."""
+        NA = self.rows // 2
+        lead = cta.tidx % WARPGROUP == 0
+        half = KV_DIM // 64
+        two = self.cfg.s_chains == 2
+        self._stamp(cta, lead, pr, 8 + 8 * cta.wg + 0)  # "chunk landed" (issued one pair earlier)
+        self._sum_qk_chains(acc_S, acc_A, acc_B)  # S(pr), issued during the previous pair
+        self._stamp(cta, lead, pr, 8 + 8 * cta.wg + 1)  # "S done"
+        k_next = self._own_chunk_k_base(cta, seg, 2 * pr + 2 + cta.wg)
+        self._issue_qk(acc_A, k_next, cta.q_addr, 0, half if two else 2 * half)
+        new0, new1, alpha0, alpha1, csum0, csum1 = self._softmax_pair(cta, seg, acc_S, sPw, sMax, sAlpha, pr, m0,
+                                                                      m1)
+        stage0, stage1, has_c1 = self._pair_stages(cta, seg, pr)
+        p_addr = cta.storage.p.data_ptr().toint()
+        a0 = self._load_vt(cta.ring_addr + stage0 * STAGE_BYTES, cta.wg * 4, cta.wl, cta.lane)
+        self._stamp(cta, lead, pr, 8 + 8 * cta.wg + 4)  # "V^T loaded" (the first chunk's)
+        self._rescale_o(acc_O, sAlpha[None, cta.wg], cta.lt, self.cfg.unit_rescale_skip)
+        self._issue_pv_regs(acc_O, a0, p_addr, 0)
+        wgmma_wait(0)  # the next S's first chain and P.V(c0): a0's registers are free
+        for i in cutlass.range_constexpr(4 * NA):
+            acc_O[i] = fence_operand(acc_O[i])
+        a1 = self._load_vt(cta.ring_addr + stage1 * STAGE_BYTES, cta.wg * 4, cta.wl, cta.lane)
+        self._release_pair_stages(cta, stage0, stage1, has_c1)
+        self._issue_pv_regs(acc_O, a1, p_addr + p_buffer_bytes(self.rows, self.cfg.p_planes), 0)
+        self._stamp(cta, lead, pr, 8 + 8 * cta.wg + 5)  # "P.V issued"
+        wgmma_wait(0)  # P.V(c1): a1's registers are free for the next S's second chain
+        for i in cutlass.range_constexpr(4 * NA):
+            acc_O[i] = fence_operand(acc_O[i])
+        if cutlass.const_expr(two):
+            self._issue_qk(acc_B, k_next, cta.q_addr, half, half)
+        return new0, new1, l0 * alpha0 + csum0, l1 * alpha1 + csum1
+
+    @cute.jit
+    def _own_chunk_k_base(self, cta: CTAContext, seg, c: Int32) -> Int32:
+        """The shared address S reads this warpgroup's chunk c of the segment from (its B operand): the chunk's
+        ring stage once it landed, its tail past the segment's end zeroed; for a chunk past the segment's end Q's
+        own rows (same layout; the S is masked whole), which nothing rewrites within the segment."""
+        C = CHUNK
+        NS = self.cfg.num_stages
+        bars = cta.storage.kv_full.data_ptr()
+        k_base = cta.q_addr
+        if c < seg.n_chunks:
+            v = seg.done + c
+            stage = v % NS
+            cute.arch.mbarrier_wait(bars + stage, (v // NS) % 2)
+            n_valid = seg.tok_end - (seg.tok_begin + c * C)
+            if n_valid < C:
+                # the segment's last chunk ends inside a loaded page: zero the rest before S and V^T read it
+                self._zero_tail_tokens(cta.sRing, cta.zero16, n_valid, stage, cta.tidx % WARPGROUP, WARPGROUP)
+                fence_proxy_async_smem()
+                cute.arch.barrier(barrier_id=PAIR_WG_BAR + cta.wg, number_of_threads=WARPGROUP)
+            k_base = cta.ring_addr + stage * STAGE_BYTES
+        return k_base
+
+    @cute.jit
+    def _issue_qk(self, acc: cute.Tensor, k_base: Int32, q_addr: Int32, k0: cutlass.Constexpr,
+                 ksteps: cutlass.Constexpr):
+        """Issue (and commit) S = Q.K^T over the k32 steps [k0, k0 + ksteps) from zero into acc, the 64 rows as M:
+        Q (A) and the chunk at k_base (B) both K-major 128B-swizzled blocks of 64 rows x 128 bytes. (A research
+        build without S issues no wgmma.)"""
+        C = CHUNK
+        wgmma_fence()
+        for kk in cutlass.range_constexpr(ksteps if self.cfg.runs("s") else 0):
+            ks = k0 + kk
+            off = (ks // 4) * (C * 128) + (ks % 4) * 32  # Q's blocks are 64 rows x 128 bytes too
+            d = wgmma_ss_e4m3(q_addr + off, k_base + off, [acc[i] for i in range(C // 2)], 0 if kk == 0 else 1)
+            for i in cutlass.range_constexpr(C // 2):
+                acc[i] = d[i]
+        wgmma_commit()
+
+    @cute.jit
+    def _issue_qk_chains(self, acc_A: cute.Tensor, acc_B: cute.Tensor, k_base: Int32, q_addr: Int32):
+        """Issue S of the chunk at k_base: two chains of 9 k32 steps (or one of 18, `DecodeConfig.s_chains`)."""
+        half = KV_DIM // 64
+        if cutlass.const_expr(self.cfg.s_chains == 1):
+            self._issue_qk(acc_A, k_base, q_addr, 0, 2 * half)
+        else:
+            self._issue_qk(acc_A, k_base, q_addr, 0, half)
+            self._issue_qk(acc_B, k_base, q_addr, half, half)
+
+    @cute.jit
+    def _sum_qk_chains(self, acc_S: cute.Tensor, acc_A: cute.Tensor, acc_B: cute.Tensor):
+        """Wait for S and add its chains in fp32 into acc_S."""
+        wgmma_wait(0)
+        for i in cutlass.range_constexpr(CHUNK // 2):
+            if cutlass.const_expr(self.cfg.s_chains == 1):
+                acc_S[i] = fence_operand(acc_A[i])
+            else:
+                acc_S[i] = fence_operand(acc_A[i]) + fence_operand(acc_B[i])
+
+    @cute.jit
+    def _softmax_pair(self, cta: CTAContext, seg, acc_S: cute.Tensor, sPw: cute.Tensor, sMax: cute.Tensor,
+                      sAlpha: cute.Tensor, pr: Int32, m0: Float32, m1: Float32):
+        """The softmax of this warpgroup's chunk of pair pr on S's accumulators (acc_S[4i + e] = (row r0, token
+        8i + 2lt + e), acc_S[4i + 2 + e] = (row r0 + 8, same token)), the maxima exchange with the other
+        warpgroup, P into P buffer wg and the pair's alphas into sAlpha[:, wg]; ends at the P barrier. Returns
+        the rows' new maxima, alphas and this thread's sums of their p."""
+        C = CHUNK
+        wg, lt = cta.wg, cta.lt
+        r0 = 16 * cta.wl + cta.lg
+        lead = cta.tidx % WARPGROUP == 0
+        tok0 = seg.tok_begin + (2 * pr + wg) * C  # past the segment's end: every token masked
         cmax0 = -Float32.inf
         cmax1 = -Float32.inf
-        for i in cutlass.range_constexpr(C // 8):
-            for e in cutlass.range_constexpr(2):
-                n = 8 * i + 2 * lt + e
-                s0 = acc_S[4 * i + e] * cta.scale_log2
-                s1 = acc_S[4 * i + 2 + e] * cta.scale_log2
-                if tok0 + n >= row_end0:
-                    s0 = -Float32.inf
-                if tok0 + n >= row_end1:
-                    s1 = -Float32.inf
-                acc_S[4 * i + e] = s0
-                acc_S[4 * i + 2 + e] = s1
-                cmax0 = cute.arch.fmax(cmax0, s0)
-                cmax1 = cute.arch.fmax(cmax1, s1)
+        # both rows see the whole chunk (all chunks but a segment's last and the causal edge): no compares
+        if tok0 + C <= cutlass.min(seg.row_end0, seg.row_end1):
+            cmax0, cmax1 = self._scale_max(cta, acc_S, tok0, None)
+        else:
+            cmax0, cmax1 = self._scale_max(cta, acc_S, tok0, seg)
         cmax0 = self._quad_allreduce(cmax0, True)
         cmax1 = self._quad_allreduce(cmax1, True)
         if lt == 0:
             sMax[r0, wg] = cmax0
             sMax[r0 + 8, wg] = cmax1
         cute.arch.barrier(barrier_id=PAIR_MAX_BAR, number_of_threads=SOFTMAX_THREADS)
+        self._stamp(cta, lead, pr, 8 + 8 * wg + 2)  # "maxima passed"
         # both warpgroups take the same max (fmax is exact and commutative)
         new0 = cute.arch.fmax(m0, cute.arch.fmax(cmax0, sMax[r0, 1 - wg]))
         new1 = cute.arch.fmax(m1, cute.arch.fmax(cmax1, sMax[r0 + 8, 1 - wg]))
@@ -265,45 +392,59 @@ class MLADecodePairsSM90(MLADecodeSM90):
             sAlpha[r0, wg] = alpha0
             sAlpha[r0 + 8, wg] = alpha1
         cute.arch.barrier(barrier_id=PAIR_P_BAR, number_of_threads=SOFTMAX_THREADS)
-
-        # both chunks into this warpgroup's 256 dims (a missing second chunk: zero P against chunk c0's V^T)
-        stage1 = stage0
-        phase1 = (v0 // NS) % 2
-        if c0 + 1 < n_chunks:
-            stage1 = (v0 + 1) % NS
-            phase1 = ((v0 + 1) // NS) % 2
-        # landed (the other warpgroup's chunk: its owner waited, this wait only returns)
-        cute.arch.mbarrier_wait(bars + stage0, (v0 // NS) % 2)
-        cute.arch.mbarrier_wait(bars + stage1, phase1)
-        a0 = self._load_vt(cta.ring_addr + stage0 * STAGE_BYTES, wg * 4, wl, cta.lane)
-        a1 = self._load_vt(cta.ring_addr + stage1 * STAGE_BYTES, wg * 4, wl, cta.lane)
-        cute.arch.mbarrier_arrive(bars + NS + stage0)
-        if c0 + 1 < n_chunks:
-            cute.arch.mbarrier_arrive(bars + NS + stage1)
-        self._rescale_o(acc_O, sAlpha[None, wg], lt, self.cfg.unit_rescale_skip)
-        PB = p_buffer_bytes(self.rows, self.cfg.p_planes)
-        p_addr = cta.storage.p.data_ptr().toint()
-        self._issue_pv_regs(acc_O, a0, p_addr, 0)
-        self._issue_pv_regs(acc_O, a1, p_addr + PB, 0)
-        return new0, new1, l0 * alpha0 + csum0, l1 * alpha1 + csum1
+        self._stamp(cta, lead, pr, 8 + 8 * wg + 3)  # "P barrier passed"
+        return new0, new1, alpha0, alpha1, csum0, csum1
 
     @cute.jit
-    def _issue_s_rows_as_m(self, acc_S: cute.Tensor, acc_S2: cute.Tensor, ring_addr: Int32, q_addr: Int32,
-                           stage: Int32):
-        """S = Q.K^T of the chunk in `stage` with the 64 rows as M, waited for: two chains of 9 k32 steps summed
-        in fp32 into acc_S (or one chain of 18, `DecodeConfig.s_chains`)."""
-        half = KV_DIM // 64
-        if cutlass.const_expr(self.cfg.s_chains == 1):
-            self._issue_s(acc_S, ring_addr, q_addr, stage, 0, 2 * half, True)
-            wgmma_wait(0)
-            for i in cutlass.range_constexpr(CHUNK // 2):
-                acc_S[i] = fence_operand(acc_S[i])
-        else:
-            self._issue_s(acc_S, ring_addr, q_addr, stage, 0, half, True)
-            self._issue_s(acc_S2, ring_addr, q_addr, stage, half, half, True)
-            wgmma_wait(0)
-            for i in cutlass.range_constexpr(CHUNK // 2):
-                acc_S[i] = fence_operand(acc_S[i]) + fence_operand(acc_S2[i])
+    def _scale_max(self, cta: CTAContext, acc_S: cute.Tensor, tok0: Int32, masked_by):
+        """S's accumulators in base 2 (times scale_log2), each row's tokens at or past its end -inf where
+        masked_by (the segment) is given, and this thread's maxima of its two rows."""
+        C = CHUNK
+        cmax0 = -Float32.inf
+        cmax1 = -Float32.inf
+        for i in cutlass.range_constexpr(C // 8):
+            for e in cutlass.range_constexpr(2):
+                n = 8 * i + 2 * cta.lt + e
+                s0 = acc_S[4 * i + e] * cta.scale_log2
+                s1 = acc_S[4 * i + 2 + e] * cta.scale_log2
+                if cutlass.const_expr(masked_by is not None):
+                    if tok0 + n >= masked_by.row_end0:
+                        s0 = -Float32.inf
+                    if tok0 + n >= masked_by.row_end1:
+                        s1 = -Float32.inf
+                acc_S[4 * i + e] = s0
+                acc_S[4 * i + 2 + e] = s1
+                cmax0 = cute.arch.fmax(cmax0, s0)
+                cmax1 = cute.arch.fmax(cmax1, s1)
+        return cmax0, cmax1
+
+    @cute.jit
+    def _pair_stages(self, cta: CTAContext, seg, pr: Int32):
+        """The ring stages of pair pr's chunks, both landed (the other warpgroup's chunk: its owner waited, so
+        the wait returns), and whether the second exists (else its stage is the first's)."""
+        NS = self.cfg.num_stages
+        bars = cta.storage.kv_full.data_ptr()
+        v0 = seg.done + 2 * pr
+        stage0 = v0 % NS
+        stage1 = stage0
+        phase1 = (v0 // NS) % 2
+        has_c1 = 2 * pr + 1 < seg.n_chunks
+        if has_c1:
+            stage1 = (v0 + 1) % NS
+            phase1 = ((v0 + 1) // NS) % 2
+        cute.arch.mbarrier_wait(bars + stage0, (v0 // NS) % 2)
+        cute.arch.mbarrier_wait(bars + stage1, phase1)
+        return stage0, stage1, has_c1
+
+    @cute.jit
+    def _release_pair_stages(self, cta: CTAContext, stage0: Int32, stage1: Int32, has_c1):
+        """This thread's reads of pair pr's chunks are done (their S waited for, V^T in registers): arrive on the
+        stages' "read" mbarriers."""
+        bars = cta.storage.kv_full.data_ptr()
+        NS = self.cfg.num_stages
+        cute.arch.mbarrier_arrive(bars + NS + stage0)
+        if has_c1:
+            cute.arch.mbarrier_arrive(bars + NS + stage1)
 
     @cute.jit
     def _write_p(self, acc_S: cute.Tensor, sPw: cute.Tensor, use0: Float32, use1: Float32, r0: Int32, lt: Int32,
@@ -311,14 +452,16 @@ class MLADecodePairsSM90(MLADecodeSM90):
         """P = exp2(s - max) of this thread's values of rows r0 and r0 + 8 as e4m3 words (x p_scale; one plane,
         or hi and lo) into P buffer wg: word 4k + lt of a row is tokens 16k + 2lt + (0, 1, 8, 9), the pi order of
         the P.V A registers (`decode_mma`), which are this thread's acc_S[8k + (0, 1, 4, 5)] (row r0) and
-        [8k + (2, 3, 6, 7)] (row r0 + 8). Returns the thread's sums of the two rows' p."""
-        SCALE = self.cfg.p_scale
+        [8k + (2, 3, 6, 7)] (row r0 + 8). Returns the thread's sums of the two rows' p x p_scale."""
+        # p * p_scale = exp2(s - max + log2(p_scale)): P's scale inside the exp2 (p_scale is a power of two), so
+        # the sums are in units of p_scale too (`_end_segment` takes it out)
+        shift = math.log2(self.cfg.p_scale)
         csum0 = Float32(0.0)
         csum1 = Float32(0.0)
         if cutlass.const_expr(self.cfg.runs("softmax")):  # else a research build: P is not written
             for k in cutlass.range_constexpr(CHUNK // 16):
                 for h in cutlass.range_constexpr(2):
-                    use = use0 if h == 0 else use1
+                    use = (use0 if h == 0 else use1) - shift
                     pv = [cute.math.exp2(acc_S[8 * k + 2 * h + d] - use, fastmath=True) for d in (0, 1, 4, 5)]
                     part = (pv[0] + pv[1]) + (pv[2] + pv[3])
                     if h == 0:
@@ -327,12 +470,11 @@ class MLADecodePairsSM90(MLADecodeSM90):
                         csum1 = csum1 + part
                     row = r0 + 8 * h
                     if cutlass.const_expr(self.cfg.p_planes == 2):
-                        hi, lo = quantize_p_hi_lo(pv[0] * SCALE, pv[1] * SCALE, pv[2] * SCALE, pv[3] * SCALE)
+                        hi, lo = quantize_p_hi_lo(pv[0], pv[1], pv[2], pv[3])
                         sPw[4 * k + lt, row, 0, wg] = hi
                         sPw[4 * k + lt, row, 1, wg] = lo
                     else:
-                        sPw[4 * k + lt, row, 0, wg] = quantize_p_e4m3(pv[0] * SCALE, pv[1] * SCALE, pv[2] * SCALE,
-                                                                      pv[3] * SCALE)
+                        sPw[4 * k + lt, row, 0, wg] = quantize_p_e4m3(pv[0], pv[1], pv[2], pv[3])
             fence_proxy_async_smem()  # P is a wgmma operand
         return csum0, csum1
 
@@ -361,9 +503,10 @@ class MLADecodePairsSM90(MLADecodeSM90):
             sSum[r0 + 8] = l1
         cute.arch.barrier(barrier_id=PAIR_SUM_BAR, number_of_threads=SOFTMAX_THREADS)
         if wg == 0 and lt == 0:
-            self._finish_row(m0, l0 + sSum[r0], cta.k_scale, cta.sInvL, cta.mLse, cta.mPLse, r0, cta.row0 + r0, b,
-                             split, slot)
-            self._finish_row(m1, l1 + sSum[r0 + 8], cta.k_scale, cta.sInvL, cta.mLse, cta.mPLse, r0 + 8,
+            unit = 1.0 / self.cfg.p_scale  # the sums are in units of p_scale (`_write_p`); exact, a power of two
+            self._finish_row(m0, (l0 + sSum[r0]) * unit, cta.k_scale, cta.sInvL, cta.mLse, cta.mPLse, r0,
+                             cta.row0 + r0, b, split, slot)
+            self._finish_row(m1, (l1 + sSum[r0 + 8]) * unit, cta.k_scale, cta.sInvL, cta.mLse, cta.mPLse, r0 + 8,
                              cta.row0 + r0 + 8, b, split, slot)
         cute.arch.barrier(barrier_id=PAIR_SUM_BAR, number_of_threads=SOFTMAX_THREADS)  # sInvL written
         self._write_rows(acc_O, cta.sInvL, cta.mOut, cta.mPOut, cta.row0, b, split, slot, wg, wl, lg, lt, 4)

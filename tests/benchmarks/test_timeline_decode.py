@@ -37,6 +37,9 @@ def test_every_schedule_a_timeline_stamps_names_its_events():
         assert len(tl.S_EVENTS[cfg.schedule]) == 5
         schedules.add(cfg.schedule)
     assert schedules == {"swg", "swg_tma", "swg_tma_qregs"}
+    # the chunk-pairs schedule (research): a load warpgroup with two events, MMA warpgroups with six per pair
+    cfg = tl.timeline_config((128, 1, 64, 1 << 17, 4), 30, {"chunk_pairs": True})
+    assert cfg.schedule == "pairs" and len(tl.S_EVENTS["pairs"]) == 2 and len(tl.P_EVENTS_OF["pairs"]) == 6
 
 
 def test_main_refuses_bad_arguments_before_anything_runs(capsys):

@@ -189,11 +189,14 @@ PAIRS = {"chunk_pairs": True}
     (128, 1, 64, {}), (64, 1, 64, {"p_planes": 2}), (16, 4, 64, {"s_chains": 1}),
     (16, 4, 32, {"tile_tokens": 32, "unit_rescale_skip": True}), (12, 8, 32, {"rows_per_block": 64}),
     (128, 1, 64, {"poison_smem": True}), (128, 1, 64, {"skip": frozenset({"softmax"})}),
-    (128, 1, 64, {"skip": frozenset({"pv", "s", "load", "rescale"})})])
+    (128, 1, 64, {"skip": frozenset({"pv", "s", "load", "rescale"})}), (128, 1, 64, {"timeline": 10}),
+    (128, 1, 64, {"s_ahead": True}), (16, 4, 64, {"s_ahead": True, "s_chains": 1, "p_planes": 2}),
+    (128, 1, 64, {"s_ahead": True, "timeline": 0, "unit_rescale_skip": True})])
 def test_chunk_pairs_builds_compile(heads, q_len, page_size, options):
     """The chunk-pairs schedule (`DecodeConfig.chunk_pairs`, research) compiles at 64 rows with 4 ring stages, for
-    both P precisions, one or two S chains, half- and whole-chunk boxes, padding rows and its research builds,
-    and its shared memory (no S^T buffers, a second mbarrier per stage) fits a CTA."""
+    both P precisions, one or two S chains, half- and whole-chunk boxes, padding rows, S issued a pair ahead
+    (`s_ahead`) and its research and timeline builds, and its shared memory (no S^T buffers, a second mbarrier
+    per stage) fits a CTA."""
     from mla_backend.config import decode_config
     from mla_backend.hopper.decode import compile_decode, decode_kernel
     from mla_backend.hopper.decode_layout import SM90_SMEM_CAPACITY
@@ -215,10 +218,11 @@ def test_chunk_pairs_is_checked():
     from mla_backend.hopper.decode_pairs import PAIRS_REGS_LOAD, PAIRS_REGS_MMA
 
     for options in ({"rows_per_block": 48}, {"kv_loads": "cp_async"}, {"q_in_registers": True},
-                    {"lazy_rescale": True}, {"pv_order": "per_tile"}, {"timeline": 0},
-                    {"skip": frozenset({"store_s"})}):
+                    {"lazy_rescale": True}, {"pv_order": "per_tile"}, {"skip": frozenset({"store_s"})}):
         with pytest.raises(ValueError, match="chunk_pairs is a schedule of 64-row blocks"):
             decode_config(128, 1, 64, chunk_pairs=True, **options)
+    with pytest.raises(ValueError, match="s_ahead is a form of the chunk_pairs schedule"):
+        decode_config(128, 1, 64, s_ahead=True)
     assert decode_config(128, 1, 64, chunk_pairs=True, num_stages=3).num_stages == 3
     assert 2 * PAIRS_REGS_MMA + PAIRS_REGS_LOAD == 3 * 168  # what a 384-thread launch gives each thread triple
 
@@ -255,8 +259,9 @@ QREGS = {"q_in_registers": True}
     (12, 8, 32, None, 1, {}), (128, 1, 64, 64, 1, {}),
     # Q in the S warpgroup's registers (research): 14 k32 steps with one S chain, 7 with two
     (128, 1, 64, 64, 1, QREGS), (16, 4, 64, None, 2, {**QREGS, "s_chains": 2}),
-    # the chunk-pairs schedule (research)
-    (128, 1, 64, 64, 1, PAIRS), (16, 4, 64, None, 2, PAIRS)])
+    # the chunk-pairs schedule (research), phase after phase and with S a pair ahead
+    (128, 1, 64, 64, 1, PAIRS), (16, 4, 64, None, 2, PAIRS), (128, 1, 64, 64, 1, {**PAIRS, "s_ahead": True}),
+    (16, 4, 64, None, 2, {**PAIRS, "s_ahead": True})])
 def test_no_spills(tmp_path, num_heads, q_len, page_size, rows, planes, options):
     ptxas = ptxas_path()
     assert ptxas, "ptxas (pip install 'cute-mla-fp8[test]' brings it) is needed: the spill check is part of the CPU suite"
@@ -343,6 +348,12 @@ GPU_CASES = [
     (16, 4, 64, 32, True, [4, 5, 64, 1500, 77], 9, PAIRS),
     (12, 8, 32, 64, True, [8, 9, 100, 1000, 4000, 65], 9, {**ROWS_64, **PAIRS}),
     (64, 1, 64, 64, False, [1, 65, 129, 200, 64, 3, 1000, 4000, 130, 191, 257, 0], 5, {**PAIRS, "p_planes": 1}),
+    # the same with S issued a pair ahead (s_ahead), two chains and one
+    (128, 1, 64, 64, True, [1, 700, 3000, 64], 8, {**PAIRS, "s_ahead": True}),
+    (16, 4, 64, 32, True, [4, 5, 64, 1500, 77], 9, {**PAIRS, "s_ahead": True, "s_chains": 1}),
+    (12, 8, 32, 64, True, [8, 9, 100, 1000, 4000, 65], 9, {**ROWS_64, **PAIRS, "s_ahead": True}),
+    (64, 1, 64, 64, False, [1, 65, 129, 200, 64, 3, 1000, 4000, 130, 191, 257, 0], 5,
+     {**PAIRS, "s_ahead": True, "p_planes": 1}),
 ]
 
 
@@ -402,7 +413,8 @@ def test_matches_reference_gpu(num_heads, q_len, page_size, tile_tokens, causal,
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_heads,q_len,page_size,options", [(128, 1, 64, {}), (12, 8, 32, {}), (16, 2, 64, {}),
                                                                (16, 4, 64, {"q_in_registers": True}),
-                                                               (128, 1, 64, PAIRS)])
+                                                               (128, 1, 64, PAIRS),
+                                                               (16, 4, 64, {**PAIRS, "s_ahead": True})])
 def test_unit_rescale_skip_changes_no_bit_gpu(num_heads, q_len, page_size, options):
     """Skipping a thread's O^T rescale where all its alphas are 1 (`unit_rescale_skip`) multiplies nothing by
     anything but 1 less: every output and lse bit equals the build that rescales every chunk (48 rows compared
@@ -426,7 +438,31 @@ def test_unit_rescale_skip_changes_no_bit_gpu(num_heads, q_len, page_size, optio
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("options", [{"q_in_registers": True, "s_chains": 2}, PAIRS])
+@pytest.mark.parametrize("num_heads,q_len,page_size,tile_tokens,options", [
+    (128, 1, 64, 64, {}), (16, 4, 64, 32, {"s_chains": 1}), (64, 1, 64, 64, {"p_planes": 2})])
+def test_s_ahead_changes_no_bit_gpu(num_heads, q_len, page_size, tile_tokens, options):
+    """The chunk-pairs schedule with S issued a pair ahead (`s_ahead`) does the same arithmetic in the same order
+    as phase after phase: every output and lse bit is the same, over segments of odd and even chunk counts."""
+    sys.path.insert(0, os.path.join(REPO, "tests"))
+    from mla_inputs import make_decode_inputs
+
+    from mla_backend.config import decode_config
+    from mla_backend.plan import plan_splits
+
+    lengths = [1, 700, 3000, 64, 20000, 129, 0, 4100]
+    q, kv, bt, seq, qs, ks = make_decode_inputs(lengths, q_len=q_len, num_heads=num_heads, page_size=page_size,
+                                                device="cuda", seed=13)
+    plan = plan_splits(seq, q_len=q_len, num_heads=num_heads, page_size=page_size, tile_tokens=tile_tokens,
+                       num_ctas=10)
+    phases, ahead = (decode_config(num_heads, q_len, page_size, tile_tokens=tile_tokens, s_ahead=s_ahead,
+                                   **PAIRS, **options) for s_ahead in (False, True))
+    for a, b in zip(_decode_launch(phases, q, kv, bt, seq, 576 ** -0.5, qs, ks, plan),
+                    _decode_launch(ahead, q, kv, bt, seq, 576 ** -0.5, qs, ks, plan)):
+        assert _same_bits(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("options", [{"q_in_registers": True, "s_chains": 2}, PAIRS, {**PAIRS, "s_ahead": True}])
 @pytest.mark.parametrize("num_heads,q_len,page_size,lengths,seed", [
     (64, 1, 32, [0, 1, 31, 32, 33, 4095, 131072], 64), (128, 8, 64, [1, 33, 3000], 136),
     (16, 4, 64, [0, 1, 31, 32, 33, 4095, 5000], 464)])
@@ -495,6 +531,7 @@ POISON_CASES = [
     (16, 4, 64, 32, [4, 5, 64, 1500, 77], 9, {"kv_refill": "after_store"}),  # tiles of 32: chunks across pages
     (16, 4, 64, 64, [0, 4, 5, 64, 1500, 77, 10779, 238], 24, {"q_in_registers": True}),  # S stored by rows
     (16, 4, 64, 64, [0, 4, 5, 64, 1500, 77, 10779, 238], 24, PAIRS),  # chunk pairs, a segment's zero P
+    (16, 4, 64, 64, [0, 4, 5, 64, 1500, 77, 10779, 238], 24, {**PAIRS, "s_ahead": True}),
 ]
 
 
