@@ -265,16 +265,23 @@ class MLADecodePairsSM90(MLADecodeSM90):
         lead = cta.tidx % WARPGROUP == 0
         half = KV_DIM // 64
         two = self.cfg.s_chains == 2
-        self._stamp(cta, lead, pr, 8 + 8 * cta.wg + 0)  # "chunk landed" (issued one pair earlier)
         self._sum_qk_chains(acc_S, acc_A, acc_B)  # S(pr), issued during the previous pair
         self._stamp(cta, lead, pr, 8 + 8 * cta.wg + 1)  # "S done"
+        # With 4 stages, this warpgroup's chunk of pair pr + 1 went into the stage pair pr - 1 released during its
+        # P.V: a shorter window for its load than the other form's whole pair (the stage of c0 is released as
+        # soon as its V^T is in registers, below, to widen it).
         k_next = self._own_chunk_k_base(cta, seg, 2 * pr + 2 + cta.wg)
+        self._stamp(cta, lead, pr, 8 + 8 * cta.wg + 0)  # "chunk landed" (the next pair's)
         self._issue_qk(acc_A, k_next, cta.q_addr, 0, half if two else 2 * half)
         new0, new1, alpha0, alpha1, csum0, csum1 = self._softmax_pair(cta, seg, acc_S, sPw, sMax, sAlpha, pr, m0,
                                                                       m1)
         stage0, stage1, has_c1 = self._pair_stages(cta, seg, pr)
         p_addr = cta.storage.p.data_ptr().toint()
+        bars = cta.storage.kv_full.data_ptr()
+        NS = self.cfg.num_stages
         a0 = self._load_vt(cta.ring_addr + stage0 * STAGE_BYTES, cta.wg * 4, cta.wl, cta.lane)
+        if has_c1:  # (a missing second chunk reads chunk c0's V^T again below)
+            cute.arch.mbarrier_arrive(bars + NS + stage0)
         self._stamp(cta, lead, pr, 8 + 8 * cta.wg + 4)  # "V^T loaded" (the first chunk's)
         self._rescale_o(acc_O, sAlpha[None, cta.wg], cta.lt, self.cfg.unit_rescale_skip)
         self._issue_pv_regs(acc_O, a0, p_addr, 0)
@@ -282,7 +289,7 @@ class MLADecodePairsSM90(MLADecodeSM90):
         for i in cutlass.range_constexpr(4 * NA):
             acc_O[i] = fence_operand(acc_O[i])
         a1 = self._load_vt(cta.ring_addr + stage1 * STAGE_BYTES, cta.wg * 4, cta.wl, cta.lane)
-        self._release_pair_stages(cta, stage0, stage1, has_c1)
+        cute.arch.mbarrier_arrive(bars + NS + stage1)  # stage0 where the second chunk is missing
         self._issue_pv_regs(acc_O, a1, p_addr + p_buffer_bytes(self.rows, self.cfg.p_planes), 0)
         self._stamp(cta, lead, pr, 8 + 8 * cta.wg + 5)  # "P.V issued"
         wgmma_wait(0)  # P.V(c1): a1's registers are free for the next S's second chain

@@ -381,7 +381,13 @@ def _decode_merged(cfg, q, kv, bt, seq, softmax_scale, qs, ks, plan):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("num_heads,q_len,page_size,tile_tokens,causal,lengths,num_ctas,options", GPU_CASES)
+def _options_id(options) -> str:
+    """A case's kernel options in its test id (`-k chunk_pairs` selects those cases): 'default' or k=v+k=v."""
+    return "+".join(f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in options.items()) or "default"
+
+
+@pytest.mark.parametrize("num_heads,q_len,page_size,tile_tokens,causal,lengths,num_ctas,options", GPU_CASES,
+                         ids=[f"{c[0]}-{c[1]}-{c[2]}-{c[3]}-{c[4]}-{_options_id(c[7])}" for c in GPU_CASES])
 def test_matches_reference_gpu(num_heads, q_len, page_size, tile_tokens, causal, lengths, num_ctas, options):
     sys.path.insert(0, os.path.join(REPO, "tests"))
     from mla_inputs import make_decode_inputs
@@ -542,7 +548,8 @@ def _same_bits(a, b) -> bool:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("num_heads,q_len,page_size,tile_tokens,lengths,num_ctas,options", POISON_CASES)
+@pytest.mark.parametrize("num_heads,q_len,page_size,tile_tokens,lengths,num_ctas,options", POISON_CASES,
+                         ids=[f"{c[0]}-{c[1]}-{c[2]}-{c[3]}-{_options_id(c[6])}" for c in POISON_CASES])
 def test_reads_no_shared_memory_it_did_not_write_gpu(num_heads, q_len, page_size, tile_tokens, lengths, num_ctas,
                                                      options):
     """A launch whose shared memory starts as 0xFF bytes (NaN; `DecodeConfig.poison_smem`) writes the same bits
