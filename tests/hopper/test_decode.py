@@ -380,12 +380,12 @@ def _decode_merged(cfg, q, kv, bt, seq, softmax_scale, qs, ks, plan):
     return merge_decode_outputs(plan, *_decode_launch(cfg, q, kv, bt, seq, softmax_scale, qs, ks, plan), ks)
 
 
-@pytest.mark.gpu
 def _options_id(options) -> str:
     """A case's kernel options in its test id (`-k chunk_pairs` selects those cases): 'default' or k=v+k=v."""
     return "+".join(f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in options.items()) or "default"
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("num_heads,q_len,page_size,tile_tokens,causal,lengths,num_ctas,options", GPU_CASES,
                          ids=[f"{c[0]}-{c[1]}-{c[2]}-{c[3]}-{c[4]}-{_options_id(c[7])}" for c in GPU_CASES])
 def test_matches_reference_gpu(num_heads, q_len, page_size, tile_tokens, causal, lengths, num_ctas, options):
