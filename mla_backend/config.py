@@ -197,6 +197,9 @@ class DecodeConfig:
                              "q_in_registers, lazy_rescale, pv_order='per_tile' or skip={'store_s'}")
         if self.s_ahead and not self.chunk_pairs:
             raise ValueError("s_ahead is a form of the chunk_pairs schedule")
+        if self.s_ahead and self.num_stages < 4:
+            # the next pair's chunks must land before this pair releases its own (`hopper/decode_pairs.py`)
+            raise ValueError(f"s_ahead needs 4 ring stages (two pairs), got num_stages={self.num_stages}")
         unknown = set(self.skip) - set(DECODE_PARTS)
         if unknown:
             raise ValueError(f"skip names unknown parts {sorted(unknown)}; known: {', '.join(DECODE_PARTS)}")

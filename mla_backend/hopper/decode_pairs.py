@@ -131,7 +131,7 @@ class MLADecodePairsSM90(MLADecodeSM90):
             cute.arch.cp_async_commit_group()
             if issuer:
                 # the first NS chunks: their stages were all read in the earlier segments (the P.V threads
-                # arrive before the segment-end barrier), so no wait holds them; their pages read together
+                # arrive before the segment-end barrier), so their waits return at once; their pages read together
                 pages = [self._lookup_chunk_pages(cta.mBT, b, tok_begin + st * C, tok_end) for st in range(NS)]
                 for st in cutlass.range_constexpr(NS):
                     if st < n_chunks:

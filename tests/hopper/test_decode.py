@@ -223,6 +223,9 @@ def test_chunk_pairs_is_checked():
             decode_config(128, 1, 64, chunk_pairs=True, **options)
     with pytest.raises(ValueError, match="s_ahead is a form of the chunk_pairs schedule"):
         decode_config(128, 1, 64, s_ahead=True)
+    # S a pair ahead waits for the next pair's chunks before it releases this pair's: 3 stages would hang
+    with pytest.raises(ValueError, match="s_ahead needs 4 ring stages"):
+        decode_config(128, 1, 64, chunk_pairs=True, s_ahead=True, num_stages=3)
     assert decode_config(128, 1, 64, chunk_pairs=True, num_stages=3).num_stages == 3
     assert 2 * PAIRS_REGS_MMA + PAIRS_REGS_LOAD == 3 * 168  # what a 384-thread launch gives each thread triple
 
