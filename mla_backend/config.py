@@ -114,9 +114,10 @@ class DecodeConfig:
     `s_chains` (research) is the number of wgmma accumulator chains S^T's 18 k32 steps run as: 2 (the default, two
     chains of 9 summed in fp32, for the accuracy of FP8 accumulation) or 1 (one chain of 18); `q_in_registers`
     (research, 64 rows, TMA; one S chain unless s_chains=2 is asked for) runs S = Q.K^T with Q in the S warpgroup's
-    registers (`hopper/decode_swg_qregs.py`). `chunk_pairs` (research, 64 rows, TMA, 4 ring stages unless asked
-    otherwise) runs the chunk-pairs schedule (`hopper/decode_pairs.py`): S and the softmax in the P.V warpgroups'
-    registers, two chunks a pair; `s_ahead` (research) issues each pair's S during the previous pair there.
+    registers (`hopper/decode_swg_qregs.py`). `chunk_pairs` (research, 48 and 64 rows, TMA, 4 ring stages unless
+    asked otherwise) runs the chunk-pairs schedule (`hopper/decode_pairs.py`): S and the softmax in the P.V
+    warpgroups' registers, two chunks a pair; `s_ahead` (research, 4 stages) issues each pair's S during the
+    previous pair there.
     `poison_smem` (a check for tests) sets
     every byte of the CTA's shared memory to 0xFF (NaN as e4m3, fp16 and fp32) before the kernel uses it: a read of
     shared memory that the launch did not write, whose value would otherwise be whatever the SM's previous kernel
@@ -191,9 +192,10 @@ class DecodeConfig:
             raise ValueError(f"s_chains must be 1 or 2 (accumulator chains of S^T's k steps), got {self.s_chains}")
         if self.q_in_registers and (self.rows_per_block != 64 or self.kv_loads != "tma"):
             raise ValueError("q_in_registers is a form of the TMA S^T-warpgroup schedule for 64-row blocks")
-        if self.chunk_pairs and (self.rows_per_block != 64 or self.kv_loads != "tma" or self.q_in_registers
-                                 or self.lazy_rescale or self.pv_order != "whole" or self.skip & {"store_s"}):
-            raise ValueError("chunk_pairs is a schedule of 64-row blocks with the KV by TMA, without "
+        if self.chunk_pairs and (self.rows_per_block not in (48, 64) or self.kv_loads != "tma"
+                                 or self.q_in_registers or self.lazy_rescale or self.pv_order != "whole"
+                                 or self.skip & {"store_s"}):
+            raise ValueError("chunk_pairs is a schedule of 48- and 64-row blocks with the KV by TMA, without "
                              "q_in_registers, lazy_rescale, pv_order='per_tile' or skip={'store_s'}")
         if self.s_ahead and not self.chunk_pairs:
             raise ValueError("s_ahead is a form of the chunk_pairs schedule")
@@ -247,14 +249,13 @@ def default_kv_box_tokens(page_size: int, tile_tokens: int) -> int:
     return 64 if page_size % 64 == 0 and tile_tokens % 64 == 0 else 32
 
 
-def default_pv_order(rows_per_block: int, skips_unit_rescale: bool = False) -> str:
-    """"per_tile" for 48 rows (without the research switches lazy_rescale and unit_rescale_skip, whose skip it has
-    no form for), "whole"
-    otherwise. H200, decode alone, one process, outputs identical, whole ->
-    per_tile: H12 q8 page 64 128K x B4 179.8 -> 169.0 and 180.1 -> 167.5 us, 1M x B1 338.2 -> 316.7 and 348.4 ->
-    324.5 (two runs); at 64 rows no faster (H128 q1 page 64 128K x B4 201.1 -> 206.2, H16 q4 page 64 1M x B2
-    404.0 -> 413.9), and ptxas spills 12 bytes there."""
-    return "per_tile" if rows_per_block == 48 and not skips_unit_rescale else "whole"
+def default_pv_order(rows_per_block: int, whole_only: bool = False) -> str:
+    """"per_tile" for 48 rows (unless whole_only: the research switches lazy_rescale and unit_rescale_skip, whose
+    skip it has no form for, and the chunk_pairs schedule, which rescales once a pair), "whole" otherwise. H200,
+    decode alone, one process, outputs identical, whole -> per_tile: H12 q8 page 64 128K x B4 179.8 -> 169.0 and
+    180.1 -> 167.5 us, 1M x B1 338.2 -> 316.7 and 348.4 -> 324.5 (two runs); at 64 rows no faster (H128 q1 page 64
+    128K x B4 201.1 -> 206.2, H16 q4 page 64 1M x B2 404.0 -> 413.9), and ptxas spills 12 bytes there."""
+    return "per_tile" if rows_per_block == 48 and not whole_only else "whole"
 
 
 def default_num_stages(rows_per_block: int) -> int:
@@ -292,7 +293,8 @@ def decode_config(num_heads: int, q_len: int, page_size: int, *, tile_tokens: in
                         kv_box_tokens=(default_kv_box_tokens(page_size, tile_tokens) if kv_box_tokens is None
                                        else kv_box_tokens),
                         pv_order=(default_pv_order(rows, bool(research.get("lazy_rescale")
-                                                               or research.get("unit_rescale_skip")))
+                                                               or research.get("unit_rescale_skip")
+                                                               or research.get("chunk_pairs")))
                                   if pv_order is None
                                   else pv_order),
                         pdl=env.pdl, arch=arch, **research)

@@ -60,6 +60,7 @@ class MLADecodeSM90(PagedKVLoads, OnlineSoftmax, DecodeMMA, DecodeEpilogue):
     def __init__(self, cfg: DecodeConfig):
         self.cfg = cfg
         self.rows = cfg.rows_per_block
+        self.q_rows = self.rows  # rows of the block's Q buffer (a schedule that pads Q to wgmma's M sets more)
         # softmax threads per row: a power of two for the shuffle reductions, so with 48 rows only the first 192
         # threads run the softmax
         self.tpr = 1 << ((self.softmax_pool // self.rows).bit_length() - 1)
@@ -229,7 +230,7 @@ class MLADecodeSM90(PagedKVLoads, OnlineSoftmax, DecodeMMA, DecodeEpilogue):
             tidx=tidx, cta=cta, row0=row0, lane=lane, lg=lane // 4, lt=lane % 4, wg=warp_idx // 4,
             wl=warp_idx % 4, k_scale=k_scale, scale_log2=scale_log2, storage=storage,
             sRing=storage.ring.get_tensor(ring_layout(self.cfg.num_stages)),
-            sQ8=storage.q.get_tensor(q_layout(self.rows)),
+            sQ8=storage.q.get_tensor(q_layout(self.q_rows)),
             sInvL=storage.inv_l.get_tensor(cute.make_layout((self.rows,))),
             ring_addr=storage.ring.data_ptr().toint(), q_addr=storage.q.data_ptr().toint(),
             # the last query position among this block's rows that exist (for causal trimming)

@@ -1,5 +1,5 @@
-"""The SM90 decode for 64-row blocks with S and the softmax in the P.V warpgroups' registers, two chunks at a time
-(research: `DecodeConfig.chunk_pairs`).
+"""The SM90 decode for 48- and 64-row blocks with S and the softmax in the P.V warpgroups' registers, two chunks at
+a time (research: `DecodeConfig.chunk_pairs`).
 
 Why. In the S^T-warpgroup schedule (`decode_swg.py`) a third warpgroup computes S^T and hands it over through
 shared memory; the two P.V warpgroups then read it back, run the softmax, load V^T and issue P.V, one chunk after
@@ -39,6 +39,11 @@ last) still has its S issued, with Q's own rows as the B operand (no wgmma is is
 make ptxas serialise them all) and every token masked: its P is zero and its maxima -inf, and its P.V pairs that
 zero P with the first chunk's V^T. The ring has 4 stages: one pair computed while the next lands.
 
+48-row blocks (H12 q_len 4 and 8): S keeps wgmma's 64 rows as M, Q padded with zero rows (its buffer holds 64,
+`q_rows`); warp 3 of each MMA warpgroup holds only padding rows, which see no token and store no maxima, P,
+alphas or sums; P.V and O^T have the block's 48 rows (N = 48). S's tensor work is then 4/3 of the S^T-warpgroup
+schedule's at 48 rows.
+
 Registers (setmaxnreg): 232 for the P.V warpgroups (O^T 128 beside S's two chains, or both chunks' V^T, or with S
 ahead one chain, one chunk's V^T and the softmax's values) and 40 for the load warpgroup, the 3 x 168 a
 384-thread launch gives each thread triple.
@@ -65,6 +70,7 @@ from .ptx import (fence_operand, fence_proxy_async_smem, quantize_p_e4m3, quanti
 PAIRS_REGS_MMA, PAIRS_REGS_LOAD = 232, 40
 STAGE_BYTES = CHUNK * 128 * KV_BLOCKS
 QUAD = 4  # the lanes of a quad hold one accumulator row
+S_ROWS = 64  # wgmma's M: S's rows, the block's (48 or 64) and zero padding
 
 
 class PairSegment:
@@ -76,21 +82,26 @@ class PairSegment:
 
 
 class MLADecodePairsSM90(MLADecodeSM90):
-    """The chunk-pairs schedule (module docstring): 64-row blocks, KV by TMA."""
+    """The chunk-pairs schedule (module docstring): 48- and 64-row blocks, KV by TMA."""
 
     num_threads = SOFTMAX_THREADS + WARPGROUP
     # maxntid and one CTA per SM, so that ptxas gives the setmaxnreg regions their budgets (`decode_swg.py`)
     launch_bounds = dict(max_number_threads=[SOFTMAX_THREADS + WARPGROUP, 1, 1], min_blocks_per_mp=1)
     ring_mbarriers = 2  # per stage "landed" (TMA) and "read" (both P.V warpgroups)
 
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.q_rows = S_ROWS  # S's M: a 48-row block's Q is padded with zero rows
+
     def register_budgets(self):
         """(P.V warpgroups, load warpgroup) setmaxnreg budgets."""
         return PAIRS_REGS_MMA, PAIRS_REGS_LOAD
 
     def smem_regions(self) -> dict:
-        """As the other schedules', with the S^T region holding only the two warpgroups' chunk maxima (row,
-        warpgroup)."""
+        """As the other schedules', with Q padded to S's 64 rows and the S^T region holding only the two
+        warpgroups' chunk maxima (row, warpgroup)."""
         regions = smem_region_bytes(self.rows, self.cfg.num_stages, self.cfg.p_planes)
+        regions["q"] = S_ROWS * 128 * KV_BLOCKS
         regions["s"] = 2 * self.rows * 4
         return regions
 
@@ -189,9 +200,14 @@ class MLADecodePairsSM90(MLADecodeSM90):
         while g < g_end:
             b, seg_end, seq_len, tok_begin, tok_end, n_chunks = self._segment(cta.mReqTileStart, cta.mSeq, b, g,
                                                                               g_end, cta.t_last)
+            row_end0 = self._row_end(tok_end, seq_len, cta.row0 + r0)
+            row_end1 = self._row_end(tok_end, seq_len, cta.row0 + r0 + 8)
+            if cutlass.const_expr(ROWS < S_ROWS):
+                if not self._block_rows(cta):  # S's padding rows (warp 3 at 48 rows) see no token
+                    row_end0 = Int32(0)
+                    row_end1 = Int32(0)
             seg = PairSegment(done=done, n_chunks=n_chunks, tok_begin=tok_begin, tok_end=tok_end,
-                              row_end0=self._row_end(tok_end, seq_len, cta.row0 + r0),
-                              row_end1=self._row_end(tok_end, seq_len, cta.row0 + r0 + 8))
+                              row_end0=row_end0, row_end1=row_end1)
             split = cta.mNumSplits[b] != 1
             slot = cta.mSplitOffset[b] + cta.cta - cta.mReqFirstCta[b]
             acc_O.fill(0.0)
@@ -378,14 +394,20 @@ class MLADecodePairsSM90(MLADecodeSM90):
             cmax0, cmax1 = self._scale_max(cta, acc_S, tok0, seg)
         cmax0 = self._quad_allreduce(cmax0, True)
         cmax1 = self._quad_allreduce(cmax1, True)
-        if lt == 0:
+        block_rows = self._block_rows(cta)  # else S's padding rows: no maxima, P or alphas of theirs are stored
+        if lt == 0 and block_rows:
             sMax[r0, wg] = cmax0
             sMax[r0 + 8, wg] = cmax1
         cute.arch.barrier(barrier_id=PAIR_MAX_BAR, number_of_threads=SOFTMAX_THREADS)
         self._stamp(cta, lead, pr, 8 + 8 * wg + 2)  # "maxima passed"
+        other0 = -Float32.inf
+        other1 = -Float32.inf
+        if block_rows:
+            other0 = sMax[r0, 1 - wg]
+            other1 = sMax[r0 + 8, 1 - wg]
         # both warpgroups take the same max (fmax is exact and commutative)
-        new0 = cute.arch.fmax(m0, cute.arch.fmax(cmax0, sMax[r0, 1 - wg]))
-        new1 = cute.arch.fmax(m1, cute.arch.fmax(cmax1, sMax[r0 + 8, 1 - wg]))
+        new0 = cute.arch.fmax(m0, cute.arch.fmax(cmax0, other0))
+        new1 = cute.arch.fmax(m1, cute.arch.fmax(cmax1, other1))
         use0 = new0
         use1 = new1
         if new0 == -Float32.inf:
@@ -394,8 +416,11 @@ class MLADecodePairsSM90(MLADecodeSM90):
             use1 = Float32(0.0)
         alpha0 = cute.math.exp2(m0 - use0, fastmath=True)
         alpha1 = cute.math.exp2(m1 - use1, fastmath=True)
-        csum0, csum1 = self._write_p(acc_S, sPw, use0, use1, r0, lt, wg)
-        if lt == 0:
+        csum0 = Float32(0.0)
+        csum1 = Float32(0.0)
+        if block_rows:
+            csum0, csum1 = self._write_p(acc_S, sPw, use0, use1, r0, lt, wg)
+        if lt == 0 and block_rows:
             sAlpha[r0, wg] = alpha0
             sAlpha[r0 + 8, wg] = alpha1
         cute.arch.barrier(barrier_id=PAIR_P_BAR, number_of_threads=SOFTMAX_THREADS)
@@ -485,6 +510,11 @@ class MLADecodePairsSM90(MLADecodeSM90):
             fence_proxy_async_smem()  # P is a wgmma operand
         return csum0, csum1
 
+    def _block_rows(self, cta: CTAContext):
+        """Whether this thread's two S rows (16 wl + lg, + 8) are rows of the block, not S's padding (warp 3 of
+        each MMA warpgroup at 48 rows)."""
+        return True if self.rows == S_ROWS else 16 * cta.wl < self.rows
+
     @cute.jit
     def _quad_allreduce(self, val: Float32, is_max: cutlass.Constexpr) -> Float32:
         """Reduce over the 4 lanes of a quad (one accumulator row)."""
@@ -505,11 +535,12 @@ class MLADecodePairsSM90(MLADecodeSM90):
         r0 = 16 * wl + lg
         l0 = self._quad_allreduce(l0, False)
         l1 = self._quad_allreduce(l1, False)
-        if wg == 1 and lt == 0:
+        block_rows = self._block_rows(cta)
+        if wg == 1 and lt == 0 and block_rows:
             sSum[r0] = l0
             sSum[r0 + 8] = l1
         cute.arch.barrier(barrier_id=PAIR_SUM_BAR, number_of_threads=SOFTMAX_THREADS)
-        if wg == 0 and lt == 0:
+        if wg == 0 and lt == 0 and block_rows:
             unit = 1.0 / self.cfg.p_scale  # the sums are in units of p_scale (`_write_p`); exact, a power of two
             self._finish_row(m0, (l0 + sSum[r0]) * unit, cta.k_scale, cta.sInvL, cta.mLse, cta.mPLse, r0,
                              cta.row0 + r0, b, split, slot)

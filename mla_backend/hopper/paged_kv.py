@@ -47,7 +47,7 @@ class KVBoxes:
 
 
 class PagedKVLoads:
-    """Mixin of the decode kernels (`decode_common.MLADecodeSM90`): needs self.cfg, self.rows and
+    """Mixin of the decode kernels (`decode_common.MLADecodeSM90`): needs self.cfg, self.rows, self.q_rows and
     self.l2_prefetch_copies."""
 
     @cute.jit
@@ -128,12 +128,22 @@ class PagedKVLoads:
     @cute.jit
     def _load_q_block(self, cta, tw: Int32, b: Int32):
         """A warpgroup's cp.async of the block's Q rows of request b (thread tw: rows tw / 4 + 32 i, pieces
-        tw % 4 + 4 k), padding rows zeroed; the caller commits them."""
+        tw % 4 + 4 k), padding rows zeroed (past the request's rows, and past the block's rows up to the Q
+        buffer's q_rows); the caller commits them."""
         ROWS = self.rows
-        for i in cutlass.range_constexpr(ROWS // 32):
-            self._load_q_rows(cta.mQ, cta.atom_cp_async, cta.sQ8, cta.zero16, cta.row0, tw // 4 + 32 * i, tw, b)
-        if cutlass.const_expr(ROWS % 32 != 0):
-            qrow = tw // 4 + 32 * (ROWS // 32)
+        QR = self.q_rows
+        for i in cutlass.range_constexpr(QR // 32):
+            qrow = tw // 4 + 32 * i
+            if cutlass.const_expr(32 * (i + 1) <= ROWS):
+                self._load_q_rows(cta.mQ, cta.atom_cp_async, cta.sQ8, cta.zero16, cta.row0, qrow, tw, b)
+            else:
+                if qrow < ROWS:
+                    self._load_q_rows(cta.mQ, cta.atom_cp_async, cta.sQ8, cta.zero16, cta.row0, qrow, tw, b)
+                else:
+                    for k in cutlass.range_constexpr(PIECES // 4):
+                        cute.autovec_copy(cta.zero16, cta.sQ8[None, tw % 4 + 4 * k, qrow])
+        if cutlass.const_expr(QR % 32 != 0):
+            qrow = tw // 4 + 32 * (QR // 32)
             if qrow < ROWS:
                 self._load_q_rows(cta.mQ, cta.atom_cp_async, cta.sQ8, cta.zero16, cta.row0, qrow, tw, b)
 

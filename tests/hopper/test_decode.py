@@ -191,25 +191,29 @@ PAIRS = {"chunk_pairs": True}
     (128, 1, 64, {"poison_smem": True}), (128, 1, 64, {"skip": frozenset({"softmax"})}),
     (128, 1, 64, {"skip": frozenset({"pv", "s", "load", "rescale"})}), (128, 1, 64, {"timeline": 10}),
     (128, 1, 64, {"s_ahead": True}), (16, 4, 64, {"s_ahead": True, "s_chains": 1, "p_planes": 2}),
-    (128, 1, 64, {"s_ahead": True, "timeline": 0, "unit_rescale_skip": True})])
+    (128, 1, 64, {"s_ahead": True, "timeline": 0, "unit_rescale_skip": True}),
+    # 48-row blocks (S's rows padded to 64)
+    (12, 8, 32, {}), (12, 4, 64, {"s_ahead": True, "p_planes": 2}), (16, 2, 32, {"rows_per_block": 48})])
 def test_chunk_pairs_builds_compile(heads, q_len, page_size, options):
-    """The chunk-pairs schedule (`DecodeConfig.chunk_pairs`, research) compiles at 64 rows with 4 ring stages, for
-    both P precisions, one or two S chains, half- and whole-chunk boxes, padding rows, S issued a pair ahead
-    (`s_ahead`) and its research and timeline builds, and its shared memory (no S^T buffers, a second mbarrier
-    per stage) fits a CTA."""
+    """The chunk-pairs schedule (`DecodeConfig.chunk_pairs`, research) compiles at 48 and 64 rows with 4 ring
+    stages, for both P precisions, one or two S chains, half- and whole-chunk boxes, padding rows, S issued a pair
+    ahead (`s_ahead`) and its research and timeline builds, and its shared memory (Q padded to S's 64 rows, no
+    S^T buffers, a second mbarrier per stage) fits a CTA."""
     from mla_backend.config import decode_config
     from mla_backend.hopper.decode import compile_decode, decode_kernel
     from mla_backend.hopper.decode_layout import SM90_SMEM_CAPACITY
     from mla_backend.hopper.decode_pairs import MLADecodePairsSM90
 
     cfg = decode_config(heads, q_len, page_size, **PAIRS, **options)
-    assert (cfg.rows_per_block, cfg.num_stages, cfg.schedule, cfg.kv_loads) == (64, 4, "pairs", "tma")
+    rows = cfg.rows_per_block
+    assert (rows in (48, 64), cfg.num_stages, cfg.schedule, cfg.kv_loads, cfg.pv_order) == (True, 4, "pairs", "tma",
+                                                                                           "whole")
     kernel = decode_kernel(cfg)
-    assert isinstance(kernel, MLADecodePairsSM90)
+    assert isinstance(kernel, MLADecodePairsSM90) and kernel.q_rows == 64
     regions = kernel.smem_regions()
     assert all(n > 0 and n % 16 == 0 for n in regions.values()), regions
     assert sum(regions.values()) + 8 * 2 * cfg.num_stages <= SM90_SMEM_CAPACITY
-    assert regions["s"] == 2 * 64 * 4  # the two warpgroups' chunk maxima, no S^T buffers
+    assert regions["s"] == 2 * rows * 4 and regions["q"] == 64 * 640  # the chunk maxima; Q padded to S's M
     assert compile_decode(cfg) is not None
 
 
@@ -217,9 +221,9 @@ def test_chunk_pairs_is_checked():
     from mla_backend.config import decode_config
     from mla_backend.hopper.decode_pairs import PAIRS_REGS_LOAD, PAIRS_REGS_MMA
 
-    for options in ({"rows_per_block": 48}, {"kv_loads": "cp_async"}, {"q_in_registers": True},
+    for options in ({"rows_per_block": 32}, {"kv_loads": "cp_async"}, {"q_in_registers": True},
                     {"lazy_rescale": True}, {"pv_order": "per_tile"}, {"skip": frozenset({"store_s"})}):
-        with pytest.raises(ValueError, match="chunk_pairs is a schedule of 64-row blocks"):
+        with pytest.raises(ValueError, match="chunk_pairs is a schedule of 48- and 64-row blocks"):
             decode_config(128, 1, 64, chunk_pairs=True, **options)
     with pytest.raises(ValueError, match="s_ahead is a form of the chunk_pairs schedule"):
         decode_config(128, 1, 64, s_ahead=True)
@@ -357,6 +361,11 @@ GPU_CASES = [
     (12, 8, 32, 64, True, [8, 9, 100, 1000, 4000, 65], 9, {**ROWS_64, **PAIRS, "s_ahead": True}),
     (64, 1, 64, 64, False, [1, 65, 129, 200, 64, 3, 1000, 4000, 130, 191, 257, 0], 5,
      {**PAIRS, "s_ahead": True, "p_planes": 1}),
+    # 48-row blocks (S's rows padded to 64): two full blocks, one block, 32 rows in a block of 48
+    (12, 8, 32, 64, True, [8, 9, 100, 1000, 4000, 65], 9, PAIRS),
+    (12, 8, 32, 64, True, [8, 9, 100, 1000, 4000, 65], 9, {**PAIRS, "s_ahead": True}),
+    (12, 4, 64, 64, True, [4, 5, 64, 1500, 77, 3000], 7, {**PAIRS, "p_planes": 1}),
+    (16, 2, 32, 32, True, [2, 63, 64, 65, 1500], 6, {**ROWS_48, **PAIRS}),
 ]
 
 
@@ -448,7 +457,7 @@ def test_unit_rescale_skip_changes_no_bit_gpu(num_heads, q_len, page_size, optio
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_heads,q_len,page_size,tile_tokens,options", [
-    (128, 1, 64, 64, {}), (16, 4, 64, 32, {"s_chains": 1}), (64, 1, 64, 64, {"p_planes": 2})])
+    (128, 1, 64, 64, {}), (16, 4, 64, 32, {"s_chains": 1}), (64, 1, 64, 64, {"p_planes": 2}), (12, 8, 32, 64, {})])
 def test_s_ahead_changes_no_bit_gpu(num_heads, q_len, page_size, tile_tokens, options):
     """The chunk-pairs schedule with S issued a pair ahead (`s_ahead`) does the same arithmetic in the same order
     as phase after phase: every output and lse bit is the same, over segments of odd and even chunk counts."""
@@ -541,6 +550,7 @@ POISON_CASES = [
     (16, 4, 64, 64, [0, 4, 5, 64, 1500, 77, 10779, 238], 24, {"q_in_registers": True}),  # S stored by rows
     (16, 4, 64, 64, [0, 4, 5, 64, 1500, 77, 10779, 238], 24, PAIRS),  # chunk pairs, a segment's zero P
     (16, 4, 64, 64, [0, 4, 5, 64, 1500, 77, 10779, 238], 24, {**PAIRS, "s_ahead": True}),
+    (12, 8, 32, 64, [8, 9, 100, 1000, 4000, 65], 9, PAIRS),  # 48 rows: S's padding rows
 ]
 
 
