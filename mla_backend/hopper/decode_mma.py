@@ -29,7 +29,7 @@ from .ptx import (fence_operand, ldmatrix_x4, prmt, wgmma_commit, wgmma_fence, w
 
 
 class DecodeMMA:
-    """Mixin of the decode kernels (`decode_common.MLADecodeSM90`): needs self.cfg, self.rows and
+    """Mixin of the decode kernels (`decode_common.MLADecodeSM90`): needs self.cfg, self.rows, self.q_rows and
     self.s_rows_spread."""
 
     @cute.jit
@@ -50,7 +50,7 @@ class DecodeMMA:
             kb = ks // 4
             koff = (ks % 4) * 32
             k_addr = stage_addr + kb * (C * 128) + koff
-            q_step = q_addr + kb * (ROWS * 128) + koff
+            q_step = q_addr + kb * (self.q_rows * 128) + koff  # Q's blocks are its buffer's rows x 128 bytes
             d = wgmma_ss_e4m3(q_step if rows_as_m else k_addr, k_addr if rows_as_m else q_step,
                               [acc_S[i] for i in range(n_acc)], 0 if kk == 0 and from_zero else 1)
             for i in cutlass.range_constexpr(n_acc):

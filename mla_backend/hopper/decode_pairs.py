@@ -44,8 +44,8 @@ zero P with the first chunk's V^T. The ring has 4 stages: one pair computed whil
 alphas or sums; P.V and O^T have the block's 48 rows (N = 48). S's tensor work is then 4/3 of the S^T-warpgroup
 schedule's at 48 rows.
 
-Registers (setmaxnreg): 232 for the P.V warpgroups (O^T 128 beside S's two chains, or both chunks' V^T, or with S
-ahead one chain, one chunk's V^T and the softmax's values) and 40 for the load warpgroup, the 3 x 168 a
+Registers (setmaxnreg): 232 for the P.V warpgroups (at 64 rows O^T 128 beside S's two chains, or both chunks'
+V^T, or with S ahead one chain, one chunk's V^T and the softmax's values; O^T 96 at 48 rows) and 40 for the load warpgroup, the 3 x 168 a
 384-thread launch gives each thread triple.
 
 Not yet run on a GPU.
@@ -378,8 +378,9 @@ class MLADecodePairsSM90(MLADecodeSM90):
                       sAlpha: cute.Tensor, pr: Int32, m0: Float32, m1: Float32):
         """The softmax of this warpgroup's chunk of pair pr on S's accumulators (acc_S[4i + e] = (row r0, token
         8i + 2lt + e), acc_S[4i + 2 + e] = (row r0 + 8, same token)), the maxima exchange with the other
-        warpgroup, P into P buffer wg and the pair's alphas into sAlpha[:, wg]; ends at the P barrier. Returns
-        the rows' new maxima, alphas and this thread's sums of their p."""
+        warpgroup, P into P buffer wg and the pair's alphas into sAlpha[:, wg]; ends at the P barrier. S's padding
+        rows (48-row blocks) store none of these. Returns the rows' new maxima, alphas and this thread's sums of
+        their p."""
         C = CHUNK
         wg, lt = cta.wg, cta.lt
         r0 = 16 * cta.wl + cta.lg

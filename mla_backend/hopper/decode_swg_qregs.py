@@ -65,12 +65,11 @@ class MLADecodeSwgQRegsSM90(MLADecodeSwgTmaSM90):
         """Q of the block from sQ (landed and fenced) into the A fragments of this warp's rows 16 wl .. 16 wl + 15:
         ldmatrix.x4 matrix m = lane / 8 is rows + 8 (m % 2) x bytes + 16 (m / 2) of the k32 step, so lane (g, t)
         gets bytes 4t .. 4t + 3 of rows g and g + 8, then of the step's second 16 bytes."""
-        ROWS = self.rows
         m = cta.lane // 8
         r = 16 * cta.wl + cta.lane % 8 + 8 * (m % 2)
         for ks in cutlass.range_constexpr(self.k_steps_regs):
             piece = (ks % 4) * 2 + m // 2  # the 16-byte piece of block ks / 4
-            a = ldmatrix_x4(cta.q_addr + (ks // 4) * (ROWS * 128) + r * 128 + ((piece ^ (r % 8)) * 16))
+            a = ldmatrix_x4(cta.q_addr + (ks // 4) * (self.q_rows * 128) + r * 128 + ((piece ^ (r % 8)) * 16))
             for k in cutlass.range_constexpr(4):
                 q_regs[4 * ks + k] = a[k]
 

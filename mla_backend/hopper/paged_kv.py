@@ -132,6 +132,7 @@ class PagedKVLoads:
         buffer's q_rows); the caller commits them."""
         ROWS = self.rows
         QR = self.q_rows
+        assert QR == ROWS or QR % 32 == 0, "a padded Q buffer holds whole 32-row groups"
         for i in cutlass.range_constexpr(QR // 32):
             qrow = tw // 4 + 32 * i
             if cutlass.const_expr(32 * (i + 1) <= ROWS):

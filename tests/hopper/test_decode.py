@@ -268,7 +268,8 @@ QREGS = {"q_in_registers": True}
     (128, 1, 64, 64, 1, QREGS), (16, 4, 64, None, 2, {**QREGS, "s_chains": 2}),
     # the chunk-pairs schedule (research), phase after phase and with S a pair ahead
     (128, 1, 64, 64, 1, PAIRS), (16, 4, 64, None, 2, PAIRS), (128, 1, 64, 64, 1, {**PAIRS, "s_ahead": True}),
-    (16, 4, 64, None, 2, {**PAIRS, "s_ahead": True})])
+    (16, 4, 64, None, 2, {**PAIRS, "s_ahead": True}), (12, 8, 32, None, 2, PAIRS),
+    (12, 8, 32, None, 1, {**PAIRS, "s_ahead": True})])
 def test_no_spills(tmp_path, num_heads, q_len, page_size, rows, planes, options):
     ptxas = ptxas_path()
     assert ptxas, "ptxas (pip install 'cute-mla-fp8[test]' brings it) is needed: the spill check is part of the CPU suite"
@@ -477,6 +478,33 @@ def test_s_ahead_changes_no_bit_gpu(num_heads, q_len, page_size, tile_tokens, op
     for a, b in zip(_decode_launch(phases, q, kv, bt, seq, 576 ** -0.5, qs, ks, plan),
                     _decode_launch(ahead, q, kv, bt, seq, 576 ** -0.5, qs, ks, plan)):
         assert _same_bits(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_heads,q_len,options", [(16, 4, {}), (16, 4, {"s_ahead": True}), (12, 8, {}),
+                                                     (128, 1, {"s_ahead": True})])
+def test_chunk_pairs_launches_on_kv_held_in_l2_are_bit_identical_gpu(num_heads, q_len, options):
+    """The chunk-pairs schedule's own ring protocol (landed / read mbarriers, refills by a load warpgroup) under the
+    test that caught a refill racing the V^T reads (test_mla_decode_gpu.py): 100 launches on KV that fits in L2,
+    where a refill lands within a few hundred cycles of its stage's release, give the same bits."""
+    sys.path.insert(0, os.path.join(REPO, "tests"))
+    from mla_inputs import make_decode_inputs
+
+    from mla_backend.config import decode_config
+    from mla_backend.plan import plan_splits
+
+    gen = torch.Generator().manual_seed(num_heads * 100 + q_len)
+    lengths = torch.randint(1, 3000, (32,), generator=gen).tolist()
+    q, kv, bt, seq, qs, ks = make_decode_inputs(lengths, q_len=q_len, num_heads=num_heads, page_size=64,
+                                                device="cuda", seed=num_heads)
+    plan = plan_splits(seq, q_len=q_len, num_heads=num_heads, page_size=64,
+                       num_ctas=torch.cuda.get_device_properties(0).multi_processor_count)
+    cfg = decode_config(num_heads, q_len, 64, **PAIRS, **options)
+    first = _decode_launch(cfg, q, kv, bt, seq, 576 ** -0.5, qs, ks, plan)
+    differ = sum(not all(_same_bits(a, b) for a, b in zip(first, _decode_launch(cfg, q, kv, bt, seq, 576 ** -0.5,
+                                                                                 qs, ks, plan)))
+                 for _ in range(100))
+    assert differ == 0, f"{differ} of 100 launches differ from the first"
 
 
 @pytest.mark.gpu
