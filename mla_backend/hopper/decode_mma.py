@@ -33,23 +33,21 @@ class DecodeMMA:
     self.s_rows_spread."""
 
     @cute.jit
-    def _issue_s(self, acc_S: cute.Tensor, ring_addr: Int32, q_addr: Int32, stage: Int32, k0: Int32,
-                 ksteps: cutlass.Constexpr, rows_as_m: cutlass.Constexpr = False,
-                 from_zero: cutlass.Constexpr = True):
-        """Issue (and commit, not wait for) S^T = K.Q^T of the chunk in `stage` over the k32 steps
-        [k0, k0 + ksteps) of the 576 bytes, the first from zero (or, not from_zero, onto what acc_S holds); with
-        rows_as_m S = Q.K^T (64 rows: Q is A, the chunk's tokens N). (A research build without S issues no
-        wgmma.)"""
+    def _issue_s(self, acc_S: cute.Tensor, k_base: Int32, q_addr: Int32, k0: Int32, ksteps: cutlass.Constexpr,
+                 rows_as_m: cutlass.Constexpr = False, from_zero: cutlass.Constexpr = True):
+        """Issue (and commit, not wait for) S^T = K.Q^T of the chunk at shared address k_base (a ring stage, or
+        any block of 64 rows x 576 bytes in the ring's layout) over the k32 steps [k0, k0 + ksteps) of the 576
+        bytes, the first from zero (or, not from_zero, onto what acc_S holds); with rows_as_m S = Q.K^T (64 rows:
+        Q is A, the chunk's tokens N). (A research build without S issues no wgmma.)"""
         C = CHUNK
         ROWS = self.rows
-        stage_addr = ring_addr + stage * (C * 128 * KV_BLOCKS)
         n_acc = (C if rows_as_m else ROWS) // 2
         wgmma_fence()
         for kk in cutlass.range_constexpr(ksteps if self.cfg.runs("s") else 0):
             ks = k0 + kk
             kb = ks // 4
             koff = (ks % 4) * 32
-            k_addr = stage_addr + kb * (C * 128) + koff
+            k_addr = k_base + kb * (C * 128) + koff
             q_step = q_addr + kb * (self.q_rows * 128) + koff  # Q's blocks are its buffer's rows x 128 bytes
             d = wgmma_ss_e4m3(q_step if rows_as_m else k_addr, k_addr if rows_as_m else q_step,
                               [acc_S[i] for i in range(n_acc)], 0 if kk == 0 and from_zero else 1)
@@ -63,11 +61,12 @@ class DecodeMMA:
         """Issue S^T of the chunk in `stage` over all 18 k32 steps, as two chains of 9 (module docstring), or as
         one chain into acc_S (`DecodeConfig.s_chains`, research)."""
         half = KV_DIM // 64
+        k_base = ring_addr + stage * (CHUNK * 128 * KV_BLOCKS)
         if cutlass.const_expr(self.cfg.s_chains == 1):
-            self._issue_s(acc_S, ring_addr, q_addr, stage, 0, 2 * half)
+            self._issue_s(acc_S, k_base, q_addr, 0, 2 * half)
         else:
-            self._issue_s(acc_S, ring_addr, q_addr, stage, 0, half)
-            self._issue_s(acc_S2, ring_addr, q_addr, stage, half, half)
+            self._issue_s(acc_S, k_base, q_addr, 0, half)
+            self._issue_s(acc_S2, k_base, q_addr, half, half)
 
     @cute.jit
     def _sum_s_chains(self, acc_S: cute.Tensor, acc_S2: cute.Tensor):

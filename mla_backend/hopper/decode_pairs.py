@@ -64,8 +64,7 @@ from .barriers import PAIR_MAX_BAR, PAIR_P_BAR, PAIR_Q_BAR, PAIR_SUM_BAR, PAIR_W
 from .decode_common import CTAContext, MLADecodeSM90
 from .decode_layout import (CHUNK, KV_BLOCKS, SOFTMAX_THREADS, WARPGROUP, p_buffer_bytes, p_words_layout,
                             smem_region_bytes)
-from .ptx import (fence_operand, fence_proxy_async_smem, quantize_p_e4m3, quantize_p_hi_lo, wgmma_commit,
-                  wgmma_fence, wgmma_ss_e4m3, wgmma_wait)
+from .ptx import fence_operand, fence_proxy_async_smem, quantize_p_e4m3, quantize_p_hi_lo, wgmma_wait
 
 PAIRS_REGS_MMA, PAIRS_REGS_LOAD = 232, 40
 STAGE_BYTES = CHUNK * 128 * KV_BLOCKS
@@ -288,7 +287,7 @@ class MLADecodePairsSM90(MLADecodeSM90):
         # soon as its V^T is in registers, below, to widen it).
         k_next = self._own_chunk_k_base(cta, seg, 2 * pr + 2 + cta.wg)
         self._stamp(cta, lead, pr, 8 + 8 * cta.wg + 0)  # "chunk landed" (the next pair's)
-        self._issue_qk(acc_A, k_next, cta.q_addr, 0, half if two else 2 * half)
+        self._issue_s(acc_A, k_next, cta.q_addr, 0, half if two else 2 * half, True)
         new0, new1, alpha0, alpha1, csum0, csum1 = self._softmax_pair(cta, seg, acc_S, sPw, sMax, sAlpha, pr, m0,
                                                                       m1)
         stage0, stage1, has_c1 = self._pair_stages(cta, seg, pr)
@@ -312,7 +311,7 @@ class MLADecodePairsSM90(MLADecodeSM90):
         for i in cutlass.range_constexpr(4 * NA):
             acc_O[i] = fence_operand(acc_O[i])
         if cutlass.const_expr(two):
-            self._issue_qk(acc_B, k_next, cta.q_addr, half, half)
+            self._issue_s(acc_B, k_next, cta.q_addr, half, half, True)
         return new0, new1, l0 * alpha0 + csum0, l1 * alpha1 + csum1
 
     @cute.jit
@@ -338,30 +337,14 @@ class MLADecodePairsSM90(MLADecodeSM90):
         return k_base
 
     @cute.jit
-    def _issue_qk(self, acc: cute.Tensor, k_base: Int32, q_addr: Int32, k0: cutlass.Constexpr,
-                 ksteps: cutlass.Constexpr):
-        """Issue (and commit) S = Q.K^T over the k32 steps [k0, k0 + ksteps) from zero into acc, the 64 rows as M:
-        Q (A) and the chunk at k_base (B) both K-major 128B-swizzled blocks of 64 rows x 128 bytes. (A research
-        build without S issues no wgmma.)"""
-        C = CHUNK
-        wgmma_fence()
-        for kk in cutlass.range_constexpr(ksteps if self.cfg.runs("s") else 0):
-            ks = k0 + kk
-            off = (ks // 4) * (C * 128) + (ks % 4) * 32  # Q's blocks are 64 rows x 128 bytes too
-            d = wgmma_ss_e4m3(q_addr + off, k_base + off, [acc[i] for i in range(C // 2)], 0 if kk == 0 else 1)
-            for i in cutlass.range_constexpr(C // 2):
-                acc[i] = d[i]
-        wgmma_commit()
-
-    @cute.jit
     def _issue_qk_chains(self, acc_A: cute.Tensor, acc_B: cute.Tensor, k_base: Int32, q_addr: Int32):
         """Issue S of the chunk at k_base: two chains of 9 k32 steps (or one of 18, `DecodeConfig.s_chains`)."""
         half = KV_DIM // 64
         if cutlass.const_expr(self.cfg.s_chains == 1):
-            self._issue_qk(acc_A, k_base, q_addr, 0, 2 * half)
+            self._issue_s(acc_A, k_base, q_addr, 0, 2 * half, True)
         else:
-            self._issue_qk(acc_A, k_base, q_addr, 0, half)
-            self._issue_qk(acc_B, k_base, q_addr, half, half)
+            self._issue_s(acc_A, k_base, q_addr, 0, half, True)
+            self._issue_s(acc_B, k_base, q_addr, half, half, True)
 
     @cute.jit
     def _sum_qk_chains(self, acc_S: cute.Tensor, acc_A: cute.Tensor, acc_B: cute.Tensor):
@@ -393,8 +376,8 @@ class MLADecodePairsSM90(MLADecodeSM90):
             cmax0, cmax1 = self._scale_max(cta, acc_S, tok0, None)
         else:
             cmax0, cmax1 = self._scale_max(cta, acc_S, tok0, seg)
-        cmax0 = self._quad_allreduce(cmax0, True)
-        cmax1 = self._quad_allreduce(cmax1, True)
+        cmax0 = self._row_allreduce(cmax0, True, QUAD)
+        cmax1 = self._row_allreduce(cmax1, True, QUAD)
         block_rows = self._block_rows(cta)  # else S's padding rows: no maxima, P or alphas of theirs are stored
         if lt == 0 and block_rows:
             sMax[r0, wg] = cmax0
@@ -517,25 +500,14 @@ class MLADecodePairsSM90(MLADecodeSM90):
         return True if self.rows == S_ROWS else 16 * cta.wl < self.rows
 
     @cute.jit
-    def _quad_allreduce(self, val: Float32, is_max: cutlass.Constexpr) -> Float32:
-        """Reduce over the 4 lanes of a quad (one accumulator row)."""
-        for i in cutlass.range_constexpr(int(math.log2(QUAD))):
-            other = cute.arch.shuffle_sync_bfly(val, offset=QUAD >> (i + 1))
-            if cutlass.const_expr(is_max):
-                val = cute.arch.fmax(val, other)
-            else:
-                val = val + other
-        return val
-
-    @cute.jit
     def _end_segment(self, cta: CTAContext, acc_O: cute.Tensor, sSum: cute.Tensor, m0: Float32, m1: Float32,
                      l0: Float32, l1: Float32, b: Int32, split, slot: Int32):
         """A segment's rows: each row's sum over its quad and both warpgroups, its lse and output scale
         (warpgroup 0), then both warpgroups' dims of the output or partial."""
         wg, wl, lg, lt = cta.wg, cta.wl, cta.lg, cta.lt
         r0 = 16 * wl + lg
-        l0 = self._quad_allreduce(l0, False)
-        l1 = self._quad_allreduce(l1, False)
+        l0 = self._row_allreduce(l0, False, QUAD)
+        l1 = self._row_allreduce(l1, False, QUAD)
         block_rows = self._block_rows(cta)
         if wg == 1 and lt == 0 and block_rows:
             sSum[r0] = l0

@@ -88,9 +88,9 @@ class MLADecodeSwgQRegsSM90(MLADecodeSwgTmaSM90):
         stage_addr = ring_addr + stage * (C * 128 * KV_BLOCKS)
         if cutlass.const_expr(two):
             second = cute.make_tensor(acc_S.iterator + NACC, cute.make_layout((NACC,)))
-            self._issue_s(second, ring_addr, q_addr, stage, S_CHAIN_STEPS, S_CHAIN_STEPS, True)
+            self._issue_s(second, stage_addr, q_addr, S_CHAIN_STEPS, S_CHAIN_STEPS, True)
         else:
-            self._issue_s(acc_S, ring_addr, q_addr, stage, KR, 2 * S_CHAIN_STEPS - KR, True)
+            self._issue_s(acc_S, stage_addr, q_addr, KR, 2 * S_CHAIN_STEPS - KR, True)
         for ks in cutlass.range_constexpr(KR if self.cfg.runs("s") else 0):
             d = wgmma_rs_e4m3([q_regs[4 * ks + k] for k in range(4)],
                               stage_addr + (ks // 4) * (C * 128) + (ks % 4) * 32, 16, 1024,
@@ -98,7 +98,7 @@ class MLADecodeSwgQRegsSM90(MLADecodeSwgTmaSM90):
             for i in cutlass.range_constexpr(NACC):
                 acc_S[i] = d[i]
         if cutlass.const_expr(two):
-            self._issue_s(acc_S, ring_addr, q_addr, stage, KR, S_CHAIN_STEPS - KR, True, False)
+            self._issue_s(acc_S, stage_addr, q_addr, KR, S_CHAIN_STEPS - KR, True, False)
         else:
             wgmma_commit()
 

@@ -120,10 +120,11 @@ class OnlineSoftmax:
         return new_max, new_sum, alpha
 
     @cute.jit
-    def _row_allreduce(self, val: Float32, is_max: cutlass.Constexpr) -> Float32:
-        """Reduce over the TPR consecutive lanes that own one softmax row."""
-        for i in cutlass.range_constexpr(int(math.log2(self.tpr))):
-            other = cute.arch.shuffle_sync_bfly(val, offset=self.tpr >> (i + 1))
+    def _row_allreduce(self, val: Float32, is_max: cutlass.Constexpr, lanes: cutlass.Constexpr = None) -> Float32:
+        """Reduce over the TPR consecutive lanes that own one softmax row (or over `lanes` of them)."""
+        n = self.tpr if lanes is None else lanes
+        for i in cutlass.range_constexpr(int(math.log2(n))):
+            other = cute.arch.shuffle_sync_bfly(val, offset=n >> (i + 1))
             if cutlass.const_expr(is_max):
                 val = cute.arch.fmax(val, other)
             else:
