@@ -117,8 +117,8 @@ class DecodeConfig:
     registers (`hopper/decode_swg_qregs.py`). `chunk_pairs` (research, 48 and 64 rows, TMA, 4 ring stages unless
     asked otherwise) runs the chunk-pairs schedule (`hopper/decode_pairs.py`): S and the softmax in the P.V
     warpgroups' registers, two chunks a pair; `s_ahead` (research, 4 stages) issues each pair's S during the
-    previous pair there.
-    `poison_smem` (a check for tests) sets
+    previous pair there, and `q_in_registers` there (48 rows) keeps Q's first 8 k32 steps in the MMA
+    warpgroups' registers (two S chains unless asked otherwise). `poison_smem` (a check for tests) sets
     every byte of the CTA's shared memory to 0xFF (NaN as e4m3, fp16 and fp32) before the kernel uses it: a read of
     shared memory that the launch did not write, whose value would otherwise be whatever the SM's previous kernel
     left there, then shows in the outputs. `skip` and `timeline` are research builds (benchmarks/): `skip` leaves
@@ -190,13 +190,16 @@ class DecodeConfig:
                              "unit_rescale_skip")
         if self.s_chains not in (1, 2):
             raise ValueError(f"s_chains must be 1 or 2 (accumulator chains of S^T's k steps), got {self.s_chains}")
-        if self.q_in_registers and (self.rows_per_block != 64 or self.kv_loads != "tma"):
-            raise ValueError("q_in_registers is a form of the TMA S^T-warpgroup schedule for 64-row blocks")
+        if self.q_in_registers and not self.chunk_pairs and (self.rows_per_block != 64 or self.kv_loads != "tma"):
+            raise ValueError("q_in_registers is a form of the TMA S^T-warpgroup schedule for 64-row blocks (and of "
+                             "chunk_pairs)")
         if self.chunk_pairs and (self.rows_per_block not in (48, 64) or self.kv_loads != "tma"
-                                 or self.q_in_registers or self.lazy_rescale or self.pv_order != "whole"
-                                 or self.skip & {"store_s"}):
+                                 or self.lazy_rescale or self.pv_order != "whole" or self.skip & {"store_s"}):
             raise ValueError("chunk_pairs is a schedule of 48- and 64-row blocks with the KV by TMA, without "
-                             "q_in_registers, lazy_rescale, pv_order='per_tile' or skip={'store_s'}")
+                             "lazy_rescale, pv_order='per_tile' or skip={'store_s'}")
+        if self.chunk_pairs and self.q_in_registers and self.rows_per_block != 48:
+            raise ValueError("q_in_registers with chunk_pairs is for 48-row blocks (at 64 rows Q's fragments do not "
+                             "fit beside O^T)")
         if self.s_ahead and not self.chunk_pairs:
             raise ValueError("s_ahead is a form of the chunk_pairs schedule")
         if self.s_ahead and self.num_stages < 4:
@@ -211,10 +214,10 @@ class DecodeConfig:
     def schedule(self) -> str:
         if self.rows_per_block == 16:
             return "rows16"
-        if self.q_in_registers:
-            return "swg_tma_qregs"
         if self.chunk_pairs:
             return "pairs"
+        if self.q_in_registers:
+            return "swg_tma_qregs"
         return "swg_tma" if self.kv_loads == "tma" else "swg"
 
     @property
@@ -281,7 +284,7 @@ def decode_config(num_heads: int, q_len: int, page_size: int, *, tile_tokens: in
     rows = default_rows_per_block(num_heads, q_len) if rows_per_block is None else rows_per_block
     if p_planes is None:
         p_planes = p_planes_for(env.p_precision if p_precision is None else p_precision, rows)
-    if research.get("q_in_registers"):
+    if research.get("q_in_registers") and not research.get("chunk_pairs"):
         research = {"s_chains": 1, **research}  # one chain leaves the most of Q in registers
     if research.get("chunk_pairs") and num_stages is None:
         num_stages = 4  # one pair computed while the next lands (`hopper/decode_pairs.py`)

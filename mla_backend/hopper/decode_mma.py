@@ -56,6 +56,34 @@ class DecodeMMA:
         wgmma_commit()
 
     @cute.jit
+    def _load_q_registers(self, cta, q_regs: cute.Tensor, ksteps: cutlass.Constexpr):
+        """Q's first `ksteps` k32 steps of the block from sQ (landed and fenced) into the wgmma A fragments of this
+        warp's rows 16 wl .. 16 wl + 15 (S = Q.K^T with the 64 rows as M), 4 registers a step: ldmatrix.x4 matrix
+        m = lane / 8 is rows + 8 (m % 2) x bytes + 16 (m / 2) of the k32 step, so lane (g, t) gets bytes
+        4t .. 4t + 3 of rows g and g + 8, then of the step's second 16 bytes."""
+        m = cta.lane // 8
+        r = 16 * cta.wl + cta.lane % 8 + 8 * (m % 2)
+        for ks in cutlass.range_constexpr(ksteps):
+            piece = (ks % 4) * 2 + m // 2  # the 16-byte piece of block ks / 4
+            a = ldmatrix_x4(cta.q_addr + (ks // 4) * (self.q_rows * 128) + r * 128 + ((piece ^ (r % 8)) * 16))
+            for k in cutlass.range_constexpr(4):
+                q_regs[4 * ks + k] = a[k]
+
+    @cute.jit
+    def _issue_s_q_registers(self, acc_S: cute.Tensor, q_regs: cute.Tensor, k_base: Int32,
+                             ksteps: cutlass.Constexpr, from_zero: cutlass.Constexpr):
+        """Issue (no fence, no commit) S = Q.K^T's k32 steps [0, ksteps) with the 64 rows as M, Q's A fragments
+        from q_regs (`_load_q_registers`) and K from the chunk at k_base, the first from zero where from_zero.
+        (A research build without S issues no wgmma.)"""
+        C = CHUNK
+        for ks in cutlass.range_constexpr(ksteps if self.cfg.runs("s") else 0):
+            d = wgmma_rs_e4m3([q_regs[4 * ks + k] for k in range(4)], k_base + (ks // 4) * (C * 128) + (ks % 4) * 32,
+                              16, 1024, [acc_S[i] for i in range(C // 2)], b_swizzle128=True,
+                              accumulate=not (from_zero and ks == 0))
+            for i in cutlass.range_constexpr(C // 2):
+                acc_S[i] = d[i]
+
+    @cute.jit
     def _issue_s_chains(self, acc_S: cute.Tensor, acc_S2: cute.Tensor, ring_addr: Int32, q_addr: Int32,
                         stage: Int32):
         """Issue S^T of the chunk in `stage` over all 18 k32 steps, as two chains of 9 (module docstring), or as

@@ -42,7 +42,9 @@ zero P with the first chunk's V^T. The ring has 4 stages: one pair computed whil
 48-row blocks (H12 q_len 4 and 8): S keeps wgmma's 64 rows as M, Q padded with zero rows (its buffer holds 64,
 `q_rows`); warp 3 of each MMA warpgroup holds only padding rows, which see no token and store no maxima, P,
 alphas or sums; P.V and O^T have the block's 48 rows (N = 48). S's tensor work is then 4/3 of the S^T-warpgroup
-schedule's at 48 rows.
+schedule's at 48 rows. There the registers O^T leaves hold Q's first 8 k32 steps for a segment
+(`DecodeConfig.q_in_registers`, research): those wgmmas take Q as their register A operand, so S reads 16 of its
+72 KB a chunk less from shared memory.
 
 Registers (setmaxnreg): 232 for the P.V warpgroups (at 64 rows O^T 128 beside S's two chains, or both chunks'
 V^T, or with S ahead one chain, one chunk's V^T and the softmax's values; O^T 96 at 48 rows) and 40 for the load warpgroup, the 3 x 168 a
@@ -64,12 +66,18 @@ from .barriers import PAIR_MAX_BAR, PAIR_P_BAR, PAIR_Q_BAR, PAIR_SUM_BAR, PAIR_W
 from .decode_common import CTAContext, MLADecodeSM90
 from .decode_layout import (CHUNK, KV_BLOCKS, SOFTMAX_THREADS, WARPGROUP, p_buffer_bytes, p_words_layout,
                             smem_region_bytes)
-from .ptx import fence_operand, fence_proxy_async_smem, quantize_p_e4m3, quantize_p_hi_lo, wgmma_wait
+from .ptx import (fence_operand, fence_proxy_async_smem, quantize_p_e4m3, quantize_p_hi_lo, wgmma_commit,
+                  wgmma_fence, wgmma_wait)
 
 PAIRS_REGS_MMA, PAIRS_REGS_LOAD = 232, 40
 STAGE_BYTES = CHUNK * 128 * KV_BLOCKS
 QUAD = 4  # the lanes of a quad hold one accumulator row
 S_ROWS = 64  # wgmma's M: S's rows, the block's (48 or 64) and zero padding
+# With q_in_registers (48-row blocks), the k32 steps of S's first chain whose Q fragments (4 registers each) the MMA
+# warpgroups keep for a segment (the rest read Q from sQ): beside O^T's 96 registers and S's two chains, ptxas
+# (sm_90a, 232 / 40) fits 8 without spills or serialised wgmmas in both forms (9, the whole chain, spills 8 bytes
+# with S ahead); at 64 rows (O^T 128) even 2 spill, 20 bytes (68 with S ahead).
+PAIRS_Q_STEPS_REGS = 8
 
 
 class PairSegment:
@@ -91,6 +99,8 @@ class MLADecodePairsSM90(MLADecodeSM90):
     def __init__(self, cfg):
         super().__init__(cfg)
         self.q_rows = S_ROWS  # S's M: a 48-row block's Q is padded with zero rows
+        # Q's first k32 steps in the MMA warpgroups' registers (`DecodeConfig.q_in_registers`, research)
+        self.k_steps_regs = PAIRS_Q_STEPS_REGS if cfg.q_in_registers else 0
 
     def register_budgets(self):
         """(P.V warpgroups, load warpgroup) setmaxnreg budgets."""
@@ -195,6 +205,7 @@ class MLADecodePairsSM90(MLADecodeSM90):
         acc_S = cute.make_rmem_tensor(cute.make_layout((CHUNK // 2,)), Float32)  # S (summed), the softmax's values
         acc_A = cute.make_rmem_tensor(cute.make_layout((CHUNK // 2,)), Float32)  # S's first chain
         acc_B = cute.make_rmem_tensor(cute.make_layout((CHUNK // 2,)), Float32)  # S's second chain
+        q_regs = cute.make_rmem_tensor(cute.make_layout((4 * max(self.k_steps_regs, 1),)), Int32)
         done = Int32(0)  # chunks of the CTA's earlier segments
         while g < g_end:
             b, seg_end, seq_len, tok_begin, tok_end, n_chunks = self._segment(cta.mReqTileStart, cta.mSeq, b, g,
@@ -215,18 +226,20 @@ class MLADecodePairsSM90(MLADecodeSM90):
             l0 = Float32(0.0)
             l1 = Float32(0.0)
             cute.arch.barrier(barrier_id=PAIR_Q_BAR, number_of_threads=NT)  # Q of the segment landed
+            if cutlass.const_expr(self.k_steps_regs > 0):
+                self._load_q_registers(cta, q_regs, self.k_steps_regs)
             n_pairs = (n_chunks + 1) // 2
             if cutlass.const_expr(self.cfg.s_ahead):
                 # S of pair 0 (this warpgroup's chunk, or Q's own rows where there is none)
-                self._issue_qk_chains(acc_A, acc_B, self._own_chunk_k_base(cta, seg, cta.wg), cta.q_addr)
+                self._issue_qk_chains(acc_A, acc_B, q_regs, self._own_chunk_k_base(cta, seg, cta.wg), cta.q_addr)
                 for pr in range(n_pairs):
-                    m0, m1, l0, l1 = self._pair_s_ahead(cta, seg, acc_O, acc_S, acc_A, acc_B, sPw, sMax, sAlpha,
-                                                        pr, m0, m1, l0, l1)
+                    m0, m1, l0, l1 = self._pair_s_ahead(cta, seg, acc_O, acc_S, acc_A, acc_B, q_regs, sPw, sMax,
+                                                        sAlpha, pr, m0, m1, l0, l1)
                 wgmma_wait(0)  # the S issued past the last pair (all masked, on Q) is done with sQ
             else:
                 for pr in range(n_pairs):
-                    m0, m1, l0, l1 = self._pair(cta, seg, acc_O, acc_S, acc_A, acc_B, sPw, sMax, sAlpha, pr, m0,
-                                                m1, l0, l1)
+                    m0, m1, l0, l1 = self._pair(cta, seg, acc_O, acc_S, acc_A, acc_B, q_regs, sPw, sMax, sAlpha,
+                                                pr, m0, m1, l0, l1)
             cute.arch.barrier()  # segment end: every S of the segment is done, sQ may be refilled
             wgmma_wait(0)
             for i in cutlass.range_constexpr(4 * NA):
@@ -238,8 +251,8 @@ class MLADecodePairsSM90(MLADecodeSM90):
 
     @cute.jit
     def _pair(self, cta: CTAContext, seg, acc_O: cute.Tensor, acc_S: cute.Tensor, acc_A: cute.Tensor,
-              acc_B: cute.Tensor, sPw: cute.Tensor, sMax: cute.Tensor, sAlpha: cute.Tensor, pr: Int32, m0: Float32,
-              m1: Float32, l0: Float32, l1: Float32):
+              acc_B: cute.Tensor, q_regs: cute.Tensor, sPw: cute.Tensor, sMax: cute.Tensor, sAlpha: cute.Tensor,
+              pr: Int32, m0: Float32, m1: Float32, l0: Float32, l1: Float32):
         """Pair pr of the segment, one phase after the other: S and the softmax of this warpgroup's chunk, the
         maxima exchange, P, then P.V of both chunks into this warpgroup's dims (module docstring). Returns the
         rows' new maxima and this thread's shares of their sums."""
@@ -251,7 +264,7 @@ class MLADecodePairsSM90(MLADecodeSM90):
         for i in cutlass.range_constexpr(4 * NA):
             acc_O[i] = fence_operand(acc_O[i])
         self._stamp(cta, lead, pr, 8 + 8 * cta.wg + 0)  # "chunk landed"
-        self._issue_qk_chains(acc_A, acc_B, k_base, cta.q_addr)
+        self._issue_qk_chains(acc_A, acc_B, q_regs, k_base, cta.q_addr)
         self._sum_qk_chains(acc_S, acc_A, acc_B)
         self._stamp(cta, lead, pr, 8 + 8 * cta.wg + 1)  # "S done"
         new0, new1, alpha0, alpha1, csum0, csum1 = self._softmax_pair(cta, seg, acc_S, sPw, sMax, sAlpha, pr, m0,
@@ -271,8 +284,8 @@ class MLADecodePairsSM90(MLADecodeSM90):
 
     @cute.jit
     def _pair_s_ahead(self, cta: CTAContext, seg, acc_O: cute.Tensor, acc_S: cute.Tensor, acc_A: cute.Tensor,
-                      acc_B: cute.Tensor, sPw: cute.Tensor, sMax: cute.Tensor, sAlpha: cute.Tensor, pr: Int32,
-                      m0: Float32, m1: Float32, l0: Float32, l1: Float32):
+                      acc_B: cute.Tensor, q_regs: cute.Tensor, sPw: cute.Tensor, sMax: cute.Tensor,
+                      sAlpha: cute.Tensor, pr: Int32, m0: Float32, m1: Float32, l0: Float32, l1: Float32):
         """Pair pr with S of the next pair issued early (`DecodeConfig.s_ahead`): its first chain (or its one
         chain) under this pair's softmax, its second once this pair's P.V is done; P.V a chunk at a time (V^T of
         one chunk in registers beside the next S's first chain). Returns as `_pair`."""
@@ -287,7 +300,7 @@ class MLADecodePairsSM90(MLADecodeSM90):
         # soon as its V^T is in registers, below, to widen it).
         k_next = self._own_chunk_k_base(cta, seg, 2 * pr + 2 + cta.wg)
         self._stamp(cta, lead, pr, 8 + 8 * cta.wg + 0)  # "chunk landed" (the next pair's)
-        self._issue_s(acc_A, k_next, cta.q_addr, 0, half if two else 2 * half, True)
+        self._issue_qk_first(acc_A, q_regs, k_next, cta.q_addr, half if two else 2 * half)
         new0, new1, alpha0, alpha1, csum0, csum1 = self._softmax_pair(cta, seg, acc_S, sPw, sMax, sAlpha, pr, m0,
                                                                       m1)
         stage0, stage1, has_c1 = self._pair_stages(cta, seg, pr)
@@ -337,13 +350,30 @@ class MLADecodePairsSM90(MLADecodeSM90):
         return k_base
 
     @cute.jit
-    def _issue_qk_chains(self, acc_A: cute.Tensor, acc_B: cute.Tensor, k_base: Int32, q_addr: Int32):
+    def _issue_qk_first(self, acc: cute.Tensor, q_regs: cute.Tensor, k_base: Int32, q_addr: Int32,
+                        ksteps: cutlass.Constexpr):
+        """Issue (and commit) S's k32 steps [0, ksteps) of the chunk at k_base into acc, from zero: the first
+        k_steps_regs with Q from registers, the rest from sQ."""
+        KR = min(self.k_steps_regs, ksteps)
+        if cutlass.const_expr(KR == 0):
+            self._issue_s(acc, k_base, q_addr, 0, ksteps, True)
+        else:
+            wgmma_fence()
+            self._issue_s_q_registers(acc, q_regs, k_base, KR, True)
+            if cutlass.const_expr(KR < ksteps):
+                self._issue_s(acc, k_base, q_addr, KR, ksteps - KR, True, False)
+            else:
+                wgmma_commit()
+
+    @cute.jit
+    def _issue_qk_chains(self, acc_A: cute.Tensor, acc_B: cute.Tensor, q_regs: cute.Tensor, k_base: Int32,
+                         q_addr: Int32):
         """Issue S of the chunk at k_base: two chains of 9 k32 steps (or one of 18, `DecodeConfig.s_chains`)."""
         half = KV_DIM // 64
         if cutlass.const_expr(self.cfg.s_chains == 1):
-            self._issue_s(acc_A, k_base, q_addr, 0, 2 * half, True)
+            self._issue_qk_first(acc_A, q_regs, k_base, q_addr, 2 * half)
         else:
-            self._issue_s(acc_A, k_base, q_addr, 0, half, True)
+            self._issue_qk_first(acc_A, q_regs, k_base, q_addr, half)
             self._issue_s(acc_B, k_base, q_addr, half, half, True)
 
     @cute.jit

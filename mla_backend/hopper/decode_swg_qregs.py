@@ -28,7 +28,7 @@ from cutlass import Float32, Int32
 
 from .decode_layout import CHUNK, KV_BLOCKS, S_STRIDE
 from .decode_swg_tma import MLADecodeSwgTmaSM90
-from .ptx import fence_operand, ldmatrix_x4, store_shared_v2_f32, wgmma_commit, wgmma_rs_e4m3, wgmma_wait
+from .ptx import fence_operand, store_shared_v2_f32, wgmma_commit, wgmma_wait
 
 # The 18 k32 steps of the 576 bytes whose Q fragments live in registers, by S chains (the rest read Q from sQ). One
 # chain: the first 14 (56 registers); ptxas (sm_90a, 192 / 120) spills 128 bytes and serialises the wgmmas with
@@ -61,19 +61,6 @@ class MLADecodeSwgQRegsSM90(MLADecodeSwgTmaSM90):
         return cute.make_rmem_tensor(cute.make_layout((4 * self.k_steps_regs,)), Int32)
 
     @cute.jit
-    def _load_q_registers(self, cta, q_regs: cute.Tensor):
-        """Q of the block from sQ (landed and fenced) into the A fragments of this warp's rows 16 wl .. 16 wl + 15:
-        ldmatrix.x4 matrix m = lane / 8 is rows + 8 (m % 2) x bytes + 16 (m / 2) of the k32 step, so lane (g, t)
-        gets bytes 4t .. 4t + 3 of rows g and g + 8, then of the step's second 16 bytes."""
-        m = cta.lane // 8
-        r = 16 * cta.wl + cta.lane % 8 + 8 * (m % 2)
-        for ks in cutlass.range_constexpr(self.k_steps_regs):
-            piece = (ks % 4) * 2 + m // 2  # the 16-byte piece of block ks / 4
-            a = ldmatrix_x4(cta.q_addr + (ks // 4) * (self.q_rows * 128) + r * 128 + ((piece ^ (r % 8)) * 16))
-            for k in cutlass.range_constexpr(4):
-                q_regs[4 * ks + k] = a[k]
-
-    @cute.jit
     def _issue_s_chains(self, acc_S: cute.Tensor, q_regs: cute.Tensor, ring_addr: Int32, q_addr: Int32,
                         stage: Int32):
         """Issue (and commit) S = Q.K^T of the chunk in `stage`. One chain, all into acc_S: the k32 steps from
@@ -91,12 +78,7 @@ class MLADecodeSwgQRegsSM90(MLADecodeSwgTmaSM90):
             self._issue_s(second, stage_addr, q_addr, S_CHAIN_STEPS, S_CHAIN_STEPS, True)
         else:
             self._issue_s(acc_S, stage_addr, q_addr, KR, 2 * S_CHAIN_STEPS - KR, True)
-        for ks in cutlass.range_constexpr(KR if self.cfg.runs("s") else 0):
-            d = wgmma_rs_e4m3([q_regs[4 * ks + k] for k in range(4)],
-                              stage_addr + (ks // 4) * (C * 128) + (ks % 4) * 32, 16, 1024,
-                              [acc_S[i] for i in range(NACC)], b_swizzle128=True, accumulate=not (two and ks == 0))
-            for i in cutlass.range_constexpr(NACC):
-                acc_S[i] = d[i]
+        self._issue_s_q_registers(acc_S, q_regs, stage_addr, KR, two)
         if cutlass.const_expr(two):
             self._issue_s(acc_S, stage_addr, q_addr, KR, S_CHAIN_STEPS - KR, True, False)
         else:

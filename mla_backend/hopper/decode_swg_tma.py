@@ -101,7 +101,7 @@ class MLADecodeSwgTmaSM90(MLADecodeSwgSM90):
                     cute.arch.barrier(barrier_id=LOAD_BAR, number_of_threads=WARPGROUP)
                     if cutlass.const_expr(self.q_in_registers):
                         if j == 0:
-                            self._load_q_registers(cta, acc_S2)
+                            self._load_q_registers(cta, acc_S2, self.k_steps_regs)
                 self._stamp(cta, lead, j, 0)  # "chunk landed"
                 self._issue_s_chains(acc_S, acc_S2, cta.ring_addr, cta.q_addr, stage)
                 if cutlass.const_expr(self.cfg.kv_refill == "under_s"):

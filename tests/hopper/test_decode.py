@@ -192,8 +192,9 @@ PAIRS = {"chunk_pairs": True}
     (128, 1, 64, {"skip": frozenset({"pv", "s", "load", "rescale"})}), (128, 1, 64, {"timeline": 10}),
     (128, 1, 64, {"s_ahead": True}), (16, 4, 64, {"s_ahead": True, "s_chains": 1, "p_planes": 2}),
     (128, 1, 64, {"s_ahead": True, "timeline": 0, "unit_rescale_skip": True}),
-    # 48-row blocks (S's rows padded to 64)
-    (12, 8, 32, {}), (12, 4, 64, {"s_ahead": True, "p_planes": 2}), (16, 2, 32, {"rows_per_block": 48})])
+    # 48-row blocks (S's rows padded to 64), Q's first k32 steps in registers there
+    (12, 8, 32, {}), (12, 4, 64, {"s_ahead": True, "p_planes": 2}), (16, 2, 32, {"rows_per_block": 48}),
+    (12, 8, 32, {"q_in_registers": True}), (12, 4, 64, {"q_in_registers": True, "s_ahead": True, "s_chains": 1})])
 def test_chunk_pairs_builds_compile(heads, q_len, page_size, options):
     """The chunk-pairs schedule (`DecodeConfig.chunk_pairs`, research) compiles at 48 and 64 rows with 4 ring
     stages, for both P precisions, one or two S chains, half- and whole-chunk boxes, padding rows, S issued a pair
@@ -210,6 +211,7 @@ def test_chunk_pairs_builds_compile(heads, q_len, page_size, options):
                                                                                            "whole")
     kernel = decode_kernel(cfg)
     assert isinstance(kernel, MLADecodePairsSM90) and kernel.q_rows == 64
+    assert kernel.k_steps_regs == (8 if options.get("q_in_registers") else 0)
     regions = kernel.smem_regions()
     assert all(n > 0 and n % 16 == 0 for n in regions.values()), regions
     assert sum(regions.values()) + 8 * 2 * cfg.num_stages <= SM90_SMEM_CAPACITY
@@ -221,12 +223,15 @@ def test_chunk_pairs_is_checked():
     from mla_backend.config import decode_config
     from mla_backend.hopper.decode_pairs import PAIRS_REGS_LOAD, PAIRS_REGS_MMA
 
-    for options in ({"rows_per_block": 32}, {"kv_loads": "cp_async"}, {"q_in_registers": True},
-                    {"lazy_rescale": True}, {"pv_order": "per_tile"}, {"skip": frozenset({"store_s"})}):
+    for options in ({"rows_per_block": 32}, {"kv_loads": "cp_async"}, {"lazy_rescale": True},
+                    {"pv_order": "per_tile"}, {"skip": frozenset({"store_s"})}):
         with pytest.raises(ValueError, match="chunk_pairs is a schedule of 48- and 64-row blocks"):
             decode_config(128, 1, 64, chunk_pairs=True, **options)
     with pytest.raises(ValueError, match="s_ahead is a form of the chunk_pairs schedule"):
         decode_config(128, 1, 64, s_ahead=True)
+    with pytest.raises(ValueError, match="q_in_registers with chunk_pairs is for 48-row blocks"):
+        decode_config(128, 1, 64, chunk_pairs=True, q_in_registers=True)
+    assert decode_config(12, 8, 32, chunk_pairs=True, q_in_registers=True).s_chains == 2  # two unless asked
     # S a pair ahead waits for the next pair's chunks before it releases this pair's: 3 stages would hang
     with pytest.raises(ValueError, match="s_ahead needs 4 ring stages"):
         decode_config(128, 1, 64, chunk_pairs=True, s_ahead=True, num_stages=3)
@@ -269,7 +274,8 @@ QREGS = {"q_in_registers": True}
     # the chunk-pairs schedule (research), phase after phase and with S a pair ahead
     (128, 1, 64, 64, 1, PAIRS), (16, 4, 64, None, 2, PAIRS), (128, 1, 64, 64, 1, {**PAIRS, "s_ahead": True}),
     (16, 4, 64, None, 2, {**PAIRS, "s_ahead": True}), (12, 8, 32, None, 2, PAIRS),
-    (12, 8, 32, None, 1, {**PAIRS, "s_ahead": True})])
+    (12, 8, 32, None, 1, {**PAIRS, "s_ahead": True}), (12, 8, 32, None, 1, {**PAIRS, **QREGS}),
+    (12, 8, 32, None, 2, {**PAIRS, **QREGS, "s_ahead": True})])
 def test_no_spills(tmp_path, num_heads, q_len, page_size, rows, planes, options):
     ptxas = ptxas_path()
     assert ptxas, "ptxas (pip install 'cute-mla-fp8[test]' brings it) is needed: the spill check is part of the CPU suite"
@@ -367,6 +373,9 @@ GPU_CASES = [
     (12, 8, 32, 64, True, [8, 9, 100, 1000, 4000, 65], 9, {**PAIRS, "s_ahead": True}),
     (12, 4, 64, 64, True, [4, 5, 64, 1500, 77, 3000], 7, {**PAIRS, "p_planes": 1}),
     (16, 2, 32, 32, True, [2, 63, 64, 65, 1500], 6, {**ROWS_48, **PAIRS}),
+    # 48-row blocks with Q's first 8 k32 steps in the MMA warpgroups' registers
+    (12, 8, 32, 64, True, [8, 9, 100, 1000, 4000, 65], 9, {**PAIRS, "q_in_registers": True}),
+    (12, 4, 64, 64, True, [4, 5, 64, 1500, 77, 3000], 7, {**PAIRS, "q_in_registers": True, "s_ahead": True}),
 ]
 
 
@@ -579,6 +588,7 @@ POISON_CASES = [
     (16, 4, 64, 64, [0, 4, 5, 64, 1500, 77, 10779, 238], 24, PAIRS),  # chunk pairs, a segment's zero P
     (16, 4, 64, 64, [0, 4, 5, 64, 1500, 77, 10779, 238], 24, {**PAIRS, "s_ahead": True}),
     (12, 8, 32, 64, [8, 9, 100, 1000, 4000, 65], 9, PAIRS),  # 48 rows: S's padding rows
+    (12, 8, 32, 64, [8, 9, 100, 1000, 4000, 65], 9, {**PAIRS, "q_in_registers": True}),  # Q's padding in registers
 ]
 
 
