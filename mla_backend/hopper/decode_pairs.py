@@ -6,18 +6,18 @@ shared memory; the two P.V warpgroups then read it back, run the softmax, load V
 the other. At 64 rows that chain paces the chunk: ~2900 cycles (timeline, H128), against ~1100 of tensor work and
 ~1600 of shared-memory traffic (S^T's 16 KB stored and read back included), so neither pipe is busy.
 
-Here warpgroups 0 and 1 take the chunks in pairs, (2p, 2p + 1): warpgroup w computes S = Q.K^T of chunk 2p + w
-with the 64 query rows as M (both operands in shared memory, two chains of 9 k32 steps summed in fp32), and runs
-its softmax on the accumulators, where a row's 16 values of a thread and its quad's 3 others are the whole row
-(two shuffles). The two warpgroups then exchange their chunks' row maxima (shared memory, one 256-thread barrier),
-so that both take the same new max m(p) = max(m(p - 1), max S(2p), max S(2p + 1)) and both chunks' P are relative
-to it; each writes its chunk's P (e4m3 words, the P.V B operand; P's scale 256 inside the exp2, so the sums are in
-its units until the segment's end) and, after a second barrier, rescales its O^T once for the pair (alpha =
-exp2(m(p - 1) - m(p))) and accumulates both chunks into its 256 dims: V^T of the chunks by ldmatrix.trans into
-registers, 8 (16 with two P planes) wgmmas a chunk. S never goes through shared memory, the softmax reads none,
-and one rescale serves two chunks. Per chunk that moves ~176 KB through shared memory (the KV's 36 KB landing, S's
-72 KB of operands, V^T's 32 KB, P^T's 32 KB as P.V's B operand, P's 4 KB) against ~208 KB in the S^T-warpgroup
-schedule.
+Here warpgroups 0 and 1 take the chunks in pairs, (2p, 2p + 1): warpgroup w computes S = Q.K^T of chunk 2p + w with
+the 64 query rows as M (both operands in shared memory unless `q_in_registers`, below; two chains of 9 k32 steps
+summed in fp32), and runs its softmax on the accumulators, where a row's 16 values of a thread and its quad's 3
+others are the whole row (two shuffles). The two warpgroups then exchange their chunks' row maxima (shared memory,
+one 256-thread barrier), so that both take the same new max m(p) = max(m(p - 1), max S(2p), max S(2p + 1)) and both
+chunks' P are relative to it; each writes its chunk's P (e4m3 words, the P.V B operand; P's scale 256 inside the
+exp2, so the sums are in its units until the segment's end) and, after a second barrier, rescales its O^T once for
+the pair (alpha = exp2(m(p - 1) - m(p))) and accumulates both chunks into its 256 dims: V^T of the chunks by
+ldmatrix.trans into registers, 8 (16 with two P planes) wgmmas a chunk. S never goes through shared memory, the
+softmax reads none, and one rescale serves two chunks. Per chunk that moves ~176 KB through shared memory (the KV's
+36 KB landing, S's 72 KB of operands, V^T's 32 KB, P^T's 32 KB as P.V's B operand, P's 4 KB) against ~208 KB in the
+S^T-warpgroup schedule.
 
 Two forms (`DecodeConfig.s_ahead`):
 - phase after phase (the default of the switch): S(p), the softmax and the exchanges, then P.V with V^T of both
@@ -46,9 +46,9 @@ schedule's at 48 rows. There the registers O^T leaves hold Q's first 8 k32 steps
 (`DecodeConfig.q_in_registers`, research): those wgmmas take Q as their register A operand, so S reads 16 of its
 72 KB a chunk less from shared memory.
 
-Registers (setmaxnreg): 232 for the P.V warpgroups (at 64 rows O^T 128 beside S's two chains, or both chunks'
-V^T, or with S ahead one chain, one chunk's V^T and the softmax's values; O^T 96 at 48 rows) and 40 for the load warpgroup, the 3 x 168 a
-384-thread launch gives each thread triple.
+Registers (setmaxnreg): 232 for the P.V warpgroups (at 64 rows O^T 128 beside S's two chains, or both chunks' V^T,
+or with S ahead one chain, one chunk's V^T and the softmax's values; O^T 96 at 48 rows) and 40 for the load
+warpgroup, the 3 x 168 a 384-thread launch gives each thread triple.
 
 Not yet run on a GPU.
 """
@@ -73,6 +73,9 @@ PAIRS_REGS_MMA, PAIRS_REGS_LOAD = 232, 40
 STAGE_BYTES = CHUNK * 128 * KV_BLOCKS
 QUAD = 4  # the lanes of a quad hold one accumulator row
 S_ROWS = 64  # wgmma's M: S's rows, the block's (48 or 64) and zero padding
+# Q's blocks of S_ROWS rows and the ring's of CHUNK tokens share one stride, so S's B operand may be either (the
+# S of a chunk past a segment's end reads Q's own rows): `decode_mma._issue_s` steps both by CHUNK rows
+assert S_ROWS == CHUNK
 # With q_in_registers (48-row blocks), the k32 steps of S's first chain whose Q fragments (4 registers each) the MMA
 # warpgroups keep for a segment (the rest read Q from sQ): beside O^T's 96 registers and S's two chains, ptxas
 # (sm_90a, 232 / 40) fits 8 without spills or serialised wgmmas in both forms (9, the whole chain, spills 8 bytes

@@ -275,7 +275,8 @@ QREGS = {"q_in_registers": True}
     (128, 1, 64, 64, 1, PAIRS), (16, 4, 64, None, 2, PAIRS), (128, 1, 64, 64, 1, {**PAIRS, "s_ahead": True}),
     (16, 4, 64, None, 2, {**PAIRS, "s_ahead": True}), (12, 8, 32, None, 2, PAIRS),
     (12, 8, 32, None, 1, {**PAIRS, "s_ahead": True}), (12, 8, 32, None, 1, {**PAIRS, **QREGS}),
-    (12, 8, 32, None, 2, {**PAIRS, **QREGS, "s_ahead": True})])
+    (12, 8, 32, None, 2, {**PAIRS, **QREGS, "s_ahead": True}),
+    (12, 8, 32, None, 1, {**PAIRS, **QREGS, "s_ahead": True, "s_chains": 1})])
 def test_no_spills(tmp_path, num_heads, q_len, page_size, rows, planes, options):
     ptxas = ptxas_path()
     assert ptxas, "ptxas (pip install 'cute-mla-fp8[test]' brings it) is needed: the spill check is part of the CPU suite"
@@ -467,7 +468,8 @@ def test_unit_rescale_skip_changes_no_bit_gpu(num_heads, q_len, page_size, optio
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_heads,q_len,page_size,tile_tokens,options", [
-    (128, 1, 64, 64, {}), (16, 4, 64, 32, {"s_chains": 1}), (64, 1, 64, 64, {"p_planes": 2}), (12, 8, 32, 64, {})])
+    (128, 1, 64, 64, {}), (16, 4, 64, 32, {"s_chains": 1}), (64, 1, 64, 64, {"p_planes": 2}), (12, 8, 32, 64, {}),
+    (12, 8, 32, 64, {"q_in_registers": True})])
 def test_s_ahead_changes_no_bit_gpu(num_heads, q_len, page_size, tile_tokens, options):
     """The chunk-pairs schedule with S issued a pair ahead (`s_ahead`) does the same arithmetic in the same order
     as phase after phase: every output and lse bit is the same, over segments of odd and even chunk counts."""
@@ -487,6 +489,32 @@ def test_s_ahead_changes_no_bit_gpu(num_heads, q_len, page_size, tile_tokens, op
     for a, b in zip(_decode_launch(phases, q, kv, bt, seq, 576 ** -0.5, qs, ks, plan),
                     _decode_launch(ahead, q, kv, bt, seq, 576 ** -0.5, qs, ks, plan)):
         assert _same_bits(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_heads,q_len,page_size,options", [(12, 8, 32, {}), (12, 4, 64, {"s_ahead": True})])
+def test_chunk_pairs_q_in_registers_matches_q_from_shared_memory_gpu(num_heads, q_len, page_size, options):
+    """Q's first k32 steps as the register A operand (48 rows) compute the same S as from shared memory: outputs
+    and lse within a few fp32 roundings of the build that reads all of Q from shared memory, far tighter than the
+    reference's tolerance, so that a fragment or address error in Q's registers shows."""
+    sys.path.insert(0, os.path.join(REPO, "tests"))
+    from mla_inputs import make_decode_inputs
+
+    from mla_backend.config import decode_config
+    from mla_backend.plan import plan_splits
+    from mla_backend.reference import relative_l2_error
+
+    lengths = [8, 700, 3000, 64, 20000, 129]
+    q, kv, bt, seq, qs, ks = make_decode_inputs(lengths, q_len=q_len, num_heads=num_heads, page_size=page_size,
+                                                device="cuda", seed=17)
+    plan = plan_splits(seq, q_len=q_len, num_heads=num_heads, page_size=page_size, num_ctas=10)
+    smem, regs = (decode_config(num_heads, q_len, page_size, q_in_registers=q_regs, **PAIRS, **options)
+                  for q_regs in (False, True))
+    assert (smem.rows_per_block, regs.rows_per_block) == (48, 48)
+    out_a, lse_a = _decode_merged(smem, q, kv, bt, seq, 576 ** -0.5, qs, ks, plan)
+    out_b, lse_b = _decode_merged(regs, q, kv, bt, seq, 576 ** -0.5, qs, ks, plan)
+    torch.testing.assert_close(lse_b, lse_a, atol=1e-5, rtol=1e-6)
+    assert relative_l2_error(out_b, out_a) < 1e-3
 
 
 @pytest.mark.gpu
@@ -588,7 +616,7 @@ POISON_CASES = [
     (16, 4, 64, 64, [0, 4, 5, 64, 1500, 77, 10779, 238], 24, PAIRS),  # chunk pairs, a segment's zero P
     (16, 4, 64, 64, [0, 4, 5, 64, 1500, 77, 10779, 238], 24, {**PAIRS, "s_ahead": True}),
     (12, 8, 32, 64, [8, 9, 100, 1000, 4000, 65], 9, PAIRS),  # 48 rows: S's padding rows
-    (12, 8, 32, 64, [8, 9, 100, 1000, 4000, 65], 9, {**PAIRS, "q_in_registers": True}),  # Q's padding in registers
+    (12, 8, 32, 64, [8, 9, 100, 1000, 4000, 65], 9, {**PAIRS, "q_in_registers": True}),  # Q's first steps in registers
 ]
 
 
