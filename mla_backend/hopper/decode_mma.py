@@ -56,6 +56,14 @@ class DecodeMMA:
         wgmma_commit()
 
     @cute.jit
+    def _wait_mma(self, acc: cute.Tensor):
+        """Wait for every wgmma this warpgroup issued and pin acc's registers (`ptx.fence_operand`), so that no
+        use of them moves above the wait."""
+        wgmma_wait(0)
+        for i in cutlass.range_constexpr(cute.size(acc)):
+            acc[i] = fence_operand(acc[i])
+
+    @cute.jit
     def _load_q_registers(self, cta, q_regs: cute.Tensor, ksteps: cutlass.Constexpr):
         """Q's first `ksteps` k32 steps of the block from sQ (landed and fenced) into the wgmma A fragments of this
         warp's rows 16 wl .. 16 wl + 15 (S = Q.K^T with the 64 rows as M), 4 registers a step: ldmatrix.x4 matrix

@@ -244,9 +244,7 @@ class MLADecodePairsSM90(MLADecodeSM90):
                     m0, m1, l0, l1 = self._pair(cta, seg, acc_O, acc_S, acc_A, acc_B, q_regs, sPw, sMax, sAlpha,
                                                 pr, m0, m1, l0, l1)
             cute.arch.barrier()  # segment end: every S of the segment is done, sQ may be refilled
-            wgmma_wait(0)
-            for i in cutlass.range_constexpr(4 * NA):
-                acc_O[i] = fence_operand(acc_O[i])
+            self._wait_mma(acc_O)
             self._end_segment(cta, acc_O, sSum, m0, m1, l0, l1, b, split, slot)
             done = done + n_chunks
             g = seg_end
@@ -259,13 +257,10 @@ class MLADecodePairsSM90(MLADecodeSM90):
         """Pair pr of the segment, one phase after the other: S and the softmax of this warpgroup's chunk, the
         maxima exchange, P, then P.V of both chunks into this warpgroup's dims (module docstring). Returns the
         rows' new maxima and this thread's shares of their sums."""
-        NA = self.rows // 2
         lead = cta.tidx % WARPGROUP == 0
         k_base = self._own_chunk_k_base(cta, seg, 2 * pr + cta.wg)
         # the previous pair's P.V is done: its V^T registers are free and its P buffers may be rewritten
-        wgmma_wait(0)
-        for i in cutlass.range_constexpr(4 * NA):
-            acc_O[i] = fence_operand(acc_O[i])
+        self._wait_mma(acc_O)
         self._stamp(cta, lead, pr, 8 + 8 * cta.wg + 0)  # "chunk landed"
         self._issue_qk_chains(acc_A, acc_B, q_regs, k_base, cta.q_addr)
         self._sum_qk_chains(acc_S, acc_A, acc_B)
@@ -292,7 +287,6 @@ class MLADecodePairsSM90(MLADecodeSM90):
         """Pair pr with S of the next pair issued early (`DecodeConfig.s_ahead`): its first chain (or its one
         chain) under this pair's softmax, its second once this pair's P.V is done; P.V a chunk at a time (V^T of
         one chunk in registers beside the next S's first chain). Returns as `_pair`."""
-        NA = self.rows // 2
         lead = cta.tidx % WARPGROUP == 0
         half = KV_DIM // 64
         two = self.cfg.s_chains == 2
@@ -316,16 +310,12 @@ class MLADecodePairsSM90(MLADecodeSM90):
         self._stamp(cta, lead, pr, 8 + 8 * cta.wg + 4)  # "V^T loaded" (the first chunk's)
         self._rescale_o(acc_O, sAlpha[None, cta.wg], cta.lt, self.cfg.unit_rescale_skip)
         self._issue_pv_regs(acc_O, a0, p_addr, 0)
-        wgmma_wait(0)  # the next S's first chain and P.V(c0): a0's registers are free
-        for i in cutlass.range_constexpr(4 * NA):
-            acc_O[i] = fence_operand(acc_O[i])
+        self._wait_mma(acc_O)  # the next S's first chain and P.V(c0): a0's registers are free
         a1 = self._load_vt(cta.ring_addr + stage1 * STAGE_BYTES, cta.wg * 4, cta.wl, cta.lane)
         cute.arch.mbarrier_arrive(bars + NS + stage1)  # stage0 where the second chunk is missing
         self._issue_pv_regs(acc_O, a1, p_addr + p_buffer_bytes(self.rows, self.cfg.p_planes), 0)
         self._stamp(cta, lead, pr, 8 + 8 * cta.wg + 5)  # "P.V issued"
-        wgmma_wait(0)  # P.V(c1): a1's registers are free for the next S's second chain
-        for i in cutlass.range_constexpr(4 * NA):
-            acc_O[i] = fence_operand(acc_O[i])
+        self._wait_mma(acc_O)  # P.V(c1): a1's registers are free for the next S's second chain
         if cutlass.const_expr(two):
             self._issue_s(acc_B, k_next, cta.q_addr, half, half, True)
         return new0, new1, l0 * alpha0 + csum0, l1 * alpha1 + csum1

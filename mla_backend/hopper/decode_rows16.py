@@ -18,7 +18,7 @@ from cutlass import Float32, Int32
 from .barriers import PINGPONG_WG
 from .decode_common import CTAContext, MLADecodeSM90
 from .decode_layout import CHUNK, KV_BLOCKS, WARPGROUP, p_buffer_bytes, p_words_layout, s_full_layout
-from .ptx import fence_operand, fence_proxy_async_smem, wgmma_wait
+from .ptx import fence_proxy_async_smem
 
 
 class MLADecodeRows16SM90(MLADecodeSM90):
@@ -120,9 +120,7 @@ class MLADecodeRows16SM90(MLADecodeSM90):
                 stage_addr = cta.ring_addr + stage * (C * 128 * KV_BLOCKS)
                 self._issue_pv(acc_O, stage_addr, p_addr, 0, 0, wl, lane)  # tiles 0-3, then 4-7: 32 A
                 self._issue_pv(acc_O, stage_addr, p_addr, 4, 4, wl, lane)  # registers live at a time
-                wgmma_wait(0)
-                for i in cutlass.range_constexpr(8 * NA):
-                    acc_O[i] = fence_operand(acc_O[i])
+                self._wait_mma(acc_O)
             cute.arch.cp_async_wait_group(0)
 
             self._merge_warpgroups(cta, acc_O, sML, sX, row_max, row_sum, srow, ssub, srow_g, tw, b, split, slot)

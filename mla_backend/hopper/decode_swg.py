@@ -28,7 +28,7 @@ from .barriers import LOAD_BAR, PV_BAR, S_FREE, S_FULL
 from .decode_common import CTAContext, MLADecodeSM90
 from .decode_layout import (CHUNK, KV_BLOCKS, SOFTMAX_THREADS, WARPGROUP, p_buffer_bytes, p_words_layout,
                             s_full_layout, s_logical_row)
-from .ptx import fence_operand, fence_proxy_async_smem, wgmma_wait
+from .ptx import fence_proxy_async_smem
 
 SW_REGS_PV, SW_REGS_S = 208, 88
 SW_REGS_PV_64, SW_REGS_S_64 = 200, 104
@@ -223,9 +223,7 @@ class MLADecodeSwgSM90(MLADecodeSM90):
                 for ci in range(n_chunks):
                     row_max, row_sum = self._softmax_pv_chunk(cta, acc_O, sS, sPw, sAlpha, p_addr, ci, tok_begin,
                                                               row_end, row_max, row_sum, srow, ssub, s_row, lead)
-            wgmma_wait(0)
-            for i in cutlass.range_constexpr(4 * NA):
-                acc_O[i] = fence_operand(acc_O[i])
+            self._wait_mma(acc_O)
             row_sum = self._row_allreduce(row_sum, False)
             if ssub == 0 and srow < ROWS:
                 self._finish_row(row_max, row_sum, cta.k_scale, cta.sInvL, cta.mLse, cta.mPLse, srow, srow_g, b, split,
@@ -245,7 +243,6 @@ class MLADecodeSwgSM90(MLADecodeSM90):
         max and sum."""
         C = CHUNK
         ROWS = self.rows
-        NA = ROWS // 2
         NT = self.num_threads
         wg, wl, lt, lane = cta.wg, cta.wl, cta.lt, cta.lane
         buf = ci % 2
@@ -259,9 +256,7 @@ class MLADecodeSwgSM90(MLADecodeSM90):
             if ssub == 0:
                 sAlpha[srow, buf] = alpha
         self._stamp(cta, lead, ci, 8 + 8 * wg + 1)  # "softmax done"
-        wgmma_wait(0)  # P.V(ci - 1): its V^T registers may be reused
-        for i in cutlass.range_constexpr(4 * NA):
-            acc_O[i] = fence_operand(acc_O[i])
+        self._wait_mma(acc_O)  # P.V(ci - 1): its V^T registers may be reused
         self._stamp(cta, lead, ci, 8 + 8 * wg + 2)  # "P.V(ci-1) done"
         a_regs = self._load_vt(vt_addr, wg * 4, wl, lane)
         cute.arch.barrier_arrive(barrier_id=S_FREE + buf, number_of_threads=NT)
@@ -287,7 +282,6 @@ class MLADecodeSwgSM90(MLADecodeSM90):
         into vt, the O^T rescale. Returns the running max and sum."""
         C = CHUNK
         ROWS = self.rows
-        NA = ROWS // 2
         NT = self.num_threads
         wg = cta.wg
         buf = ci % 2
@@ -301,9 +295,7 @@ class MLADecodeSwgSM90(MLADecodeSM90):
                                                     ssub, acc_O, vt, p_prev, pv_prev)
         sAlpha[srow, buf] = alpha  # the row's TPR threads write the same value
         self._stamp(cta, lead, ci, 8 + 8 * wg + 1)  # "softmax done" (P.V(ci - 1) issued inside it)
-        wgmma_wait(0)  # P.V(ci - 1): its V^T registers may be reused
-        for i in cutlass.range_constexpr(4 * NA):
-            acc_O[i] = fence_operand(acc_O[i])
+        self._wait_mma(acc_O)  # P.V(ci - 1): its V^T registers may be reused
         self._stamp(cta, lead, ci, 8 + 8 * wg + 2)  # "P.V(ci-1) done"
         a_regs = self._load_vt(cta.ring_addr + (ci % self.cfg.num_stages) * (C * 128 * KV_BLOCKS), wg * 4, cta.wl,
                                cta.lane)
