@@ -24,8 +24,8 @@ from cutlass import Float32, Int32
 
 from ..shapes import KV_DIM
 from .decode_layout import CHUNK, KV_BLOCKS, P_LBO, P_SBO
-from .ptx import (fence_operand, ldmatrix_x4, prmt, wgmma_commit, wgmma_fence, wgmma_rs_e4m3, wgmma_ss_e4m3,
-                  wgmma_wait)
+from .ptx import (fence_operand, ldmatrix_x4, prmt, smem_desc_lo, wgmma_commit, wgmma_fence, wgmma_rs_e4m3,
+                  wgmma_ss_e4m3, wgmma_ss_e4m3_desc, wgmma_wait)
 
 
 class DecodeMMA:
@@ -34,23 +34,35 @@ class DecodeMMA:
 
     @cute.jit
     def _issue_s(self, acc_S: cute.Tensor, k_base: Int32, q_addr: Int32, k0: Int32, ksteps: cutlass.Constexpr,
-                 rows_as_m: cutlass.Constexpr = False, from_zero: cutlass.Constexpr = True):
+                 rows_as_m: cutlass.Constexpr = False, from_zero: cutlass.Constexpr = True,
+                 stepped_descriptors: cutlass.Constexpr = False):
         """Issue (and commit, not wait for) S^T = K.Q^T of the chunk at shared address k_base (a ring stage, or
         any block of 64 rows x 576 bytes in the ring's layout) over the k32 steps [k0, k0 + ksteps) of the 576
         bytes, the first from zero (or, not from_zero, onto what acc_S holds); with rows_as_m S = Q.K^T (64 rows:
-        Q is A, the chunk's tokens N). (A research build without S issues no wgmma.)"""
+        Q is A, the chunk's tokens N). stepped_descriptors: each operand's descriptor word made once and stepped
+        by a constant (`ptx.smem_desc_lo`), for a caller whose k_base and q_addr are warp-uniform. (A research
+        build without S issues no wgmma.)"""
         C = CHUNK
         ROWS = self.rows
         n_acc = (C if rows_as_m else ROWS) // 2
+        k_lo = smem_desc_lo(k_base) if stepped_descriptors else None
+        q_lo = smem_desc_lo(q_addr) if stepped_descriptors else None
         wgmma_fence()
         for kk in cutlass.range_constexpr(ksteps if self.cfg.runs("s") else 0):
             ks = k0 + kk
             kb = ks // 4
             koff = (ks % 4) * 32
-            k_addr = k_base + kb * (C * 128) + koff
-            q_step = q_addr + kb * (self.q_rows * 128) + koff  # Q's blocks are its buffer's rows x 128 bytes
-            d = wgmma_ss_e4m3(q_step if rows_as_m else k_addr, k_addr if rows_as_m else q_step,
-                              [acc_S[i] for i in range(n_acc)], 0 if kk == 0 and from_zero else 1)
+            accumulate = 0 if kk == 0 and from_zero else 1
+            if cutlass.const_expr(stepped_descriptors):
+                k_desc = k_lo + ((kb * (C * 128) + koff) >> 4)
+                q_desc = q_lo + ((kb * (self.q_rows * 128) + koff) >> 4)  # Q's blocks: its buffer's rows x 128 B
+                d = wgmma_ss_e4m3_desc(q_desc if rows_as_m else k_desc, k_desc if rows_as_m else q_desc,
+                                       [acc_S[i] for i in range(n_acc)], accumulate)
+            else:
+                k_addr = k_base + kb * (C * 128) + koff
+                q_step = q_addr + kb * (self.q_rows * 128) + koff  # Q's blocks are its buffer's rows x 128 bytes
+                d = wgmma_ss_e4m3(q_step if rows_as_m else k_addr, k_addr if rows_as_m else q_step,
+                                  [acc_S[i] for i in range(n_acc)], accumulate)
             for i in cutlass.range_constexpr(n_acc):
                 acc_S[i] = d[i]
         wgmma_commit()

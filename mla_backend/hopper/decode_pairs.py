@@ -46,6 +46,12 @@ schedule's at 48 rows. There the registers O^T leaves hold Q's first 8 k32 steps
 (`DecodeConfig.q_in_registers`, research): those wgmmas take Q as their register A operand, so S reads 16 of its
 72 KB a chunk less from shared memory.
 
+Issue slots. Each scheduler runs two MMA warps, so a pair costs it twice a warp's instructions, against ~2180
+cycles of tensor work at 64 rows: the loop is kept lean. The warpgroup index is made warp-uniform, so a chunk's
+stage address and S's descriptors live in uniform registers and each k32 step moves them by one add
+(`decode_mma._issue_s` with stepped_descriptors); the rows' maxima are taken on S before its scale, which enters
+P's exp2 through one FMA. ptxas's pair loop (H128, one plane): 878 instructions a warp, both softmax paths counted.
+
 Registers (setmaxnreg): 232 for the P.V warpgroups (at 64 rows O^T 128 beside S's two chains, or both chunks' V^T,
 or with S ahead one chain, one chunk's V^T and the softmax's values; O^T 96 at 48 rows) and 40 for the load
 warpgroup, the 3 x 168 a 384-thread launch gives each thread triple.
@@ -195,6 +201,7 @@ class MLADecodePairsSM90(MLADecodeSM90):
     @cute.jit
     def _mma_warpgroups(self, cta: CTAContext, g: Int32, g_end: Int32, b: Int32):
         cute.arch.setmaxregister_increase(self.register_budgets()[0])
+        cta.wg = cute.arch.make_warp_uniform(cta.wg)
         ROWS = self.rows
         NA = ROWS // 2
         NT = self.num_threads
@@ -317,7 +324,7 @@ class MLADecodePairsSM90(MLADecodeSM90):
         self._stamp(cta, lead, pr, 8 + 8 * cta.wg + 5)  # "P.V issued"
         self._wait_mma(acc_O)  # P.V(c1): a1's registers are free for the next S's second chain
         if cutlass.const_expr(two):
-            self._issue_s(acc_B, k_next, cta.q_addr, half, half, True)
+            self._issue_s(acc_B, k_next, cta.q_addr, half, half, True, stepped_descriptors=True)
         return new0, new1, l0 * alpha0 + csum0, l1 * alpha1 + csum1
 
     @cute.jit
@@ -349,12 +356,12 @@ class MLADecodePairsSM90(MLADecodeSM90):
         k_steps_regs with Q from registers, the rest from sQ."""
         KR = min(self.k_steps_regs, ksteps)
         if cutlass.const_expr(KR == 0):
-            self._issue_s(acc, k_base, q_addr, 0, ksteps, True)
+            self._issue_s(acc, k_base, q_addr, 0, ksteps, True, stepped_descriptors=True)
         else:
             wgmma_fence()
             self._issue_s_q_registers(acc, q_regs, k_base, KR, True)
             if cutlass.const_expr(KR < ksteps):
-                self._issue_s(acc, k_base, q_addr, KR, ksteps - KR, True, False)
+                self._issue_s(acc, k_base, q_addr, KR, ksteps - KR, True, False, True)
             else:
                 wgmma_commit()
 
@@ -367,7 +374,7 @@ class MLADecodePairsSM90(MLADecodeSM90):
             self._issue_qk_first(acc_A, q_regs, k_base, q_addr, 2 * half)
         else:
             self._issue_qk_first(acc_A, q_regs, k_base, q_addr, half)
-            self._issue_s(acc_B, k_base, q_addr, half, half, True)
+            self._issue_s(acc_B, k_base, q_addr, half, half, True, stepped_descriptors=True)
 
     @cute.jit
     def _sum_qk_chains(self, acc_S: cute.Tensor, acc_A: cute.Tensor, acc_B: cute.Tensor):
@@ -396,11 +403,13 @@ class MLADecodePairsSM90(MLADecodeSM90):
         cmax1 = -Float32.inf
         # both rows see the whole chunk (all chunks but a segment's last and the causal edge): no compares
         if tok0 + C <= cutlass.min(seg.row_end0, seg.row_end1):
-            cmax0, cmax1 = self._scale_max(cta, acc_S, tok0, None)
+            cmax0, cmax1 = self._mask_max(cta, acc_S, tok0, None)
         else:
-            cmax0, cmax1 = self._scale_max(cta, acc_S, tok0, seg)
-        cmax0 = self._row_allreduce(cmax0, True, QUAD)
-        cmax1 = self._row_allreduce(cmax1, True, QUAD)
+            cmax0, cmax1 = self._mask_max(cta, acc_S, tok0, seg)
+        # the rows' maxima in base 2: rounding is monotone, so max(s) x scale_log2 is the max of the s x scale_log2
+        # (scale_log2 > 0), with 2 multiplies a row instead of 16 (`_write_p` scales inside its FMA)
+        cmax0 = self._row_allreduce(cmax0, True, QUAD) * cta.scale_log2
+        cmax1 = self._row_allreduce(cmax1, True, QUAD) * cta.scale_log2
         block_rows = self._block_rows(cta)  # else S's padding rows: no maxima, P or alphas of theirs are stored
         if lt == 0 and block_rows:
             sMax[r0, wg] = cmax0
@@ -426,7 +435,7 @@ class MLADecodePairsSM90(MLADecodeSM90):
         csum0 = Float32(0.0)
         csum1 = Float32(0.0)
         if block_rows:
-            csum0, csum1 = self._write_p(acc_S, sPw, use0, use1, r0, lt, wg)
+            csum0, csum1 = self._write_p(acc_S, sPw, cta.scale_log2, use0, use1, r0, lt, wg)
         if lt == 0 and block_rows:
             sAlpha[r0, wg] = alpha0
             sAlpha[r0 + 8, wg] = alpha1
@@ -435,17 +444,17 @@ class MLADecodePairsSM90(MLADecodeSM90):
         return new0, new1, alpha0, alpha1, csum0, csum1
 
     @cute.jit
-    def _scale_max(self, cta: CTAContext, acc_S: cute.Tensor, tok0: Int32, masked_by):
-        """S's accumulators in base 2 (times scale_log2), each row's tokens at or past its end -inf where
-        masked_by (the segment) is given, and this thread's maxima of its two rows."""
+    def _mask_max(self, cta: CTAContext, acc_S: cute.Tensor, tok0: Int32, masked_by):
+        """S's accumulators with each row's tokens at or past its end -inf where masked_by (the segment) is
+        given, and this thread's maxima of its two rows (of S, not yet in base 2)."""
         C = CHUNK
         cmax0 = -Float32.inf
         cmax1 = -Float32.inf
         for i in cutlass.range_constexpr(C // 8):
             for e in cutlass.range_constexpr(2):
                 n = 8 * i + 2 * cta.lt + e
-                s0 = acc_S[4 * i + e] * cta.scale_log2
-                s1 = acc_S[4 * i + 2 + e] * cta.scale_log2
+                s0 = acc_S[4 * i + e]
+                s1 = acc_S[4 * i + 2 + e]
                 if cutlass.const_expr(masked_by is not None):
                     if tok0 + n >= masked_by.row_end0:
                         s0 = -Float32.inf
@@ -486,9 +495,9 @@ class MLADecodePairsSM90(MLADecodeSM90):
             cute.arch.mbarrier_arrive(bars + NS + stage1)
 
     @cute.jit
-    def _write_p(self, acc_S: cute.Tensor, sPw: cute.Tensor, use0: Float32, use1: Float32, r0: Int32, lt: Int32,
-                 wg: Int32):
-        """P = exp2(s - max) of this thread's values of rows r0 and r0 + 8 as e4m3 words (x p_scale; one plane,
+    def _write_p(self, acc_S: cute.Tensor, sPw: cute.Tensor, scale_log2: Float32, use0: Float32, use1: Float32,
+                 r0: Int32, lt: Int32, wg: Int32):
+        """P = exp2(s x scale_log2 - max) of this thread's values of rows r0 and r0 + 8 as e4m3 words (x p_scale; one plane,
         or hi and lo) into P buffer wg: word 4k + lt of a row is tokens 16k + 2lt + (0, 1, 8, 9), the pi order of
         the P.V A registers (`decode_mma`), which are this thread's acc_S[8k + (0, 1, 4, 5)] (row r0) and
         [8k + (2, 3, 6, 7)] (row r0 + 8). Returns the thread's sums of the two rows' p x p_scale."""
@@ -501,7 +510,8 @@ class MLADecodePairsSM90(MLADecodeSM90):
             for k in cutlass.range_constexpr(CHUNK // 16):
                 for h in cutlass.range_constexpr(2):
                     use = (use0 if h == 0 else use1) - shift
-                    pv = [cute.math.exp2(acc_S[8 * k + 2 * h + d] - use, fastmath=True) for d in (0, 1, 4, 5)]
+                    pv = [cute.math.exp2(acc_S[8 * k + 2 * h + d] * scale_log2 - use, fastmath=True)
+                          for d in (0, 1, 4, 5)]
                     part = (pv[0] + pv[1]) + (pv[2] + pv[3])
                     if h == 0:
                         csum0 = csum0 + part

@@ -193,6 +193,42 @@ def wgmma_ss_e4m3(a_addr, b_addr, acc, accumulate, *, loc=None, ip=None):
     return [Float32(llvm.extractvalue(T.f32(), res, [i], loc=loc, ip=ip)) for i in range(n_acc)]
 
 
+def smem_desc_lo(addr):
+    """The low word of the 128B-swizzled K-major descriptor of shared address addr (`wgmma_ss_e4m3`'s). A CTA's
+    shared window is under 2^18 bytes, so the word of addr + 16 j (an operand moved along K, or to a later block
+    of rows) is this word + j: a schedule computes it once per operand and steps it with one add."""
+    return ((addr >> 4) & 0x3FFF) | DESC_LO_SWIZZLE128
+
+
+@dsl_user_op
+def wgmma_ss_e4m3_desc(a_lo, b_lo, acc, accumulate, *, loc=None, ip=None):
+    """`wgmma_ss_e4m3` on operands given by their descriptors' low words (`smem_desc_lo`), the high word the
+    128B-swizzled layout's: where a warp-uniform word is stepped by a constant per k32 step, ptxas issues one
+    uniform add per operand instead of rebuilding each descriptor from its address."""
+    n_acc = len(acc)
+    n = n_acc * 2
+    outs = ", ".join(f"${i}" for i in range(n_acc))
+    ia, ib, iacc = n_acc, n_acc + 1, n_acc + 2
+    operands = [Int32(a_lo).ir_value(loc=loc, ip=ip), Int32(b_lo).ir_value(loc=loc, ip=ip),
+                Int32(accumulate).ir_value(loc=loc, ip=ip)]
+    operands += [Float32(x).ir_value(loc=loc, ip=ip) for x in acc]
+    asm = (
+        "{\n"
+        ".reg .b32 dhi;\n"
+        ".reg .b64 da, db;\n"
+        ".reg .pred p;\n"
+        f"mov.b32 dhi, {DESC_HI_SWIZZLE128};\n"
+        f"mov.b64 da, {{${ia}, dhi}};\n"
+        f"mov.b64 db, {{${ib}, dhi}};\n"
+        f"setp.ne.b32 p, ${iacc}, 0;\n"
+        f"wgmma.mma_async.sync.aligned.m64n{n}k32.f32.e4m3.e4m3 {{{outs}}}, da, db, p, 1, 1;\n"
+        "}"
+    )
+    constraints = ",".join(["=f"] * n_acc + ["r", "r", "r"] + [str(i) for i in range(n_acc)])
+    res = _asm(_struct(n_acc, T.f32()), operands, asm, constraints, True, loc, ip)
+    return [Float32(llvm.extractvalue(T.f32(), res, [i], loc=loc, ip=ip)) for i in range(n_acc)]
+
+
 @dsl_user_op
 def wgmma_rs_e4m3(a, b_addr, b_lbo: int, b_sbo: int, acc, *, b_swizzle128: bool = False, accumulate: bool = True,
                   loc=None, ip=None):
