@@ -201,7 +201,10 @@ class MLADecodePairsSM90(MLADecodeSM90):
     @cute.jit
     def _mma_warpgroups(self, cta: CTAContext, g: Int32, g_end: Int32, b: Int32):
         cute.arch.setmaxregister_increase(self.register_budgets()[0])
-        cta.wg = cute.arch.make_warp_uniform(cta.wg)
+        # the warpgroup index warp-uniform to ptxas, so that what derives from it (a chunk's stage, S's
+        # descriptors) takes uniform registers (module docstring, issue slots); here only: in the opening, before
+        # the roles part, it makes ptxas spill in the load warpgroup's 40 registers
+        cta = CTAContext(**dict(cta.__dict__, wg=cute.arch.make_warp_uniform(cta.wg)))
         ROWS = self.rows
         NA = ROWS // 2
         NT = self.num_threads
