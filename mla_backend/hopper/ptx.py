@@ -157,40 +157,59 @@ def fence_operand(x, *, loc=None, ip=None):
     return Float32(_asm(T.f32(), [Float32(x).ir_value(loc=loc, ip=ip)], "mov.b32 $0, $1;", "=f,0", True, loc, ip))
 
 
-@dsl_user_op
-def wgmma_ss_e4m3(a_addr, b_addr, acc, accumulate, *, loc=None, ip=None):
-    """D = A.B^T (+ D if accumulate != 0): wgmma m64nNk32 e4m3 -> f32, N = 2 * len(acc).
+# How the SS wgmma's operand words become its descriptors: from shared addresses (mask and shift each), or from
+# descriptor low words already made (`smem_desc_lo`). $A and $B stand for the operands' asm indices.
+_SS_DESCRIPTORS_FROM_ADDRESSES = (
+    ".reg .b32 alo, blo, dhi;\n"
+    ".reg .b64 da, db;\n"
+    ".reg .pred p;\n"
+    f"mov.b32 dhi, {DESC_HI_SWIZZLE128};\n"
+    "shr.b32 alo, $A, 4;\n"
+    "and.b32 alo, alo, 0x3FFF;\n"
+    f"or.b32 alo, alo, {DESC_LO_SWIZZLE128};\n"
+    "mov.b64 da, {alo, dhi};\n"
+    "shr.b32 blo, $B, 4;\n"
+    "and.b32 blo, blo, 0x3FFF;\n"
+    f"or.b32 blo, blo, {DESC_LO_SWIZZLE128};\n"
+    "mov.b64 db, {blo, dhi};\n"
+)
+_SS_DESCRIPTORS_FROM_WORDS = (
+    ".reg .b32 dhi;\n"
+    ".reg .b64 da, db;\n"
+    ".reg .pred p;\n"
+    f"mov.b32 dhi, {DESC_HI_SWIZZLE128};\n"
+    "mov.b64 da, {$A, dhi};\n"
+    "mov.b64 db, {$B, dhi};\n"
+)
 
-    a_addr / b_addr: shared addresses of the K-major 128B-swizzled operands (A: 64 rows, B: N rows), already
-    advanced to the k32 step. acc: this thread's N / 2 accumulators (PTX fragment order)."""
+
+def _wgmma_ss_e4m3(a, b, acc, accumulate, descriptors: str, loc, ip):
     n_acc = len(acc)
     n = n_acc * 2
     outs = ", ".join(f"${i}" for i in range(n_acc))
     ia, ib, iacc = n_acc, n_acc + 1, n_acc + 2
-    operands = [Int32(a_addr).ir_value(loc=loc, ip=ip), Int32(b_addr).ir_value(loc=loc, ip=ip),
+    operands = [Int32(a).ir_value(loc=loc, ip=ip), Int32(b).ir_value(loc=loc, ip=ip),
                 Int32(accumulate).ir_value(loc=loc, ip=ip)]
     operands += [Float32(x).ir_value(loc=loc, ip=ip) for x in acc]
     asm = (
         "{\n"
-        ".reg .b32 alo, blo, dhi;\n"
-        ".reg .b64 da, db;\n"
-        ".reg .pred p;\n"
-        f"mov.b32 dhi, {DESC_HI_SWIZZLE128};\n"
-        f"shr.b32 alo, ${ia}, 4;\n"
-        "and.b32 alo, alo, 0x3FFF;\n"
-        f"or.b32 alo, alo, {DESC_LO_SWIZZLE128};\n"
-        "mov.b64 da, {alo, dhi};\n"
-        f"shr.b32 blo, ${ib}, 4;\n"
-        "and.b32 blo, blo, 0x3FFF;\n"
-        f"or.b32 blo, blo, {DESC_LO_SWIZZLE128};\n"
-        "mov.b64 db, {blo, dhi};\n"
-        f"setp.ne.b32 p, ${iacc}, 0;\n"
+        + descriptors.replace("$A", f"${ia}").replace("$B", f"${ib}")
+        + f"setp.ne.b32 p, ${iacc}, 0;\n"
         f"wgmma.mma_async.sync.aligned.m64n{n}k32.f32.e4m3.e4m3 {{{outs}}}, da, db, p, 1, 1;\n"
         "}"
     )
     constraints = ",".join(["=f"] * n_acc + ["r", "r", "r"] + [str(i) for i in range(n_acc)])
     res = _asm(_struct(n_acc, T.f32()), operands, asm, constraints, True, loc, ip)
     return [Float32(llvm.extractvalue(T.f32(), res, [i], loc=loc, ip=ip)) for i in range(n_acc)]
+
+
+@dsl_user_op
+def wgmma_ss_e4m3(a_addr, b_addr, acc, accumulate, *, loc=None, ip=None):
+    """D = A.B^T (+ D if accumulate != 0): wgmma m64nNk32 e4m3 -> f32, N = 2 * len(acc).
+
+    a_addr / b_addr: shared addresses of the K-major 128B-swizzled operands (A: 64 rows, B: N rows), already
+    advanced to the k32 step. acc: this thread's N / 2 accumulators (PTX fragment order)."""
+    return _wgmma_ss_e4m3(a_addr, b_addr, acc, accumulate, _SS_DESCRIPTORS_FROM_ADDRESSES, loc, ip)
 
 
 def smem_desc_lo(addr):
@@ -205,28 +224,7 @@ def wgmma_ss_e4m3_desc(a_lo, b_lo, acc, accumulate, *, loc=None, ip=None):
     """`wgmma_ss_e4m3` on operands given by their descriptors' low words (`smem_desc_lo`), the high word the
     128B-swizzled layout's: where a warp-uniform word is stepped by a constant per k32 step, ptxas issues one
     uniform add per operand instead of rebuilding each descriptor from its address."""
-    n_acc = len(acc)
-    n = n_acc * 2
-    outs = ", ".join(f"${i}" for i in range(n_acc))
-    ia, ib, iacc = n_acc, n_acc + 1, n_acc + 2
-    operands = [Int32(a_lo).ir_value(loc=loc, ip=ip), Int32(b_lo).ir_value(loc=loc, ip=ip),
-                Int32(accumulate).ir_value(loc=loc, ip=ip)]
-    operands += [Float32(x).ir_value(loc=loc, ip=ip) for x in acc]
-    asm = (
-        "{\n"
-        ".reg .b32 dhi;\n"
-        ".reg .b64 da, db;\n"
-        ".reg .pred p;\n"
-        f"mov.b32 dhi, {DESC_HI_SWIZZLE128};\n"
-        f"mov.b64 da, {{${ia}, dhi}};\n"
-        f"mov.b64 db, {{${ib}, dhi}};\n"
-        f"setp.ne.b32 p, ${iacc}, 0;\n"
-        f"wgmma.mma_async.sync.aligned.m64n{n}k32.f32.e4m3.e4m3 {{{outs}}}, da, db, p, 1, 1;\n"
-        "}"
-    )
-    constraints = ",".join(["=f"] * n_acc + ["r", "r", "r"] + [str(i) for i in range(n_acc)])
-    res = _asm(_struct(n_acc, T.f32()), operands, asm, constraints, True, loc, ip)
-    return [Float32(llvm.extractvalue(T.f32(), res, [i], loc=loc, ip=ip)) for i in range(n_acc)]
+    return _wgmma_ss_e4m3(a_lo, b_lo, acc, accumulate, _SS_DESCRIPTORS_FROM_WORDS, loc, ip)
 
 
 @dsl_user_op
