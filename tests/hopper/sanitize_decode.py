@@ -1,4 +1,5 @@
-"""Small decode shapes for compute-sanitizer memcheck (run by test_mla_decode_gpu.py).
+"""Small decode shapes for compute-sanitizer memcheck (run by test_mla_decode_gpu.py): the op's kernels, then the
+chunk-pairs schedule (research) launched directly.
 
 The KV pool is allocated with exactly the pages the batch uses and the block table's unused slots hold huge
 page ids, so a read past any request's pages or past the pool is reported. The last case passes values the
@@ -13,6 +14,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from mla_backend import mla_decode  # noqa: E402
+from mla_backend.config import decode_config  # noqa: E402
+from mla_backend.hopper.decode import run_decode  # noqa: E402
+from mla_backend.plan import plan_splits  # noqa: E402
 from mla_inputs import make_decode_inputs  # noqa: E402
 
 # 16-row ping-pong, 64-row blocks (H16 q4: one, H128 q2: four), 48-row blocks (H12 q8: two)
@@ -23,6 +27,24 @@ for heads, q_len, page, lengths in [(12, 1, 32, [0, 1, 31, 33, 700]), (16, 4, 64
     out, lse = mla_decode(q, kv, bt, sl, softmax_scale=0.05, q_scale=qs, k_scale=ks)
     torch.cuda.synchronize()
     print(f"sanitize: checked H{heads} q{q_len} page {page} {lengths}")
+
+# the chunk-pairs schedule (research, `DecodeConfig.chunk_pairs`), launched directly into exactly allocated outputs:
+# 64 rows, 48 rows padded to S's 64, both forms; few CTAs, so that CTAs run several segments and requests split
+for heads, q_len, page, lengths, options in [(128, 1, 64, [5, 129, 700], {}),
+                                             (12, 8, 32, [8, 9, 700], {"s_ahead": True}),
+                                             (16, 4, 64, [1, 65, 3000], {"s_ahead": True})]:
+    q, kv, bt, sl, qs, ks = make_decode_inputs(lengths, q_len=q_len, num_heads=heads, page_size=page, device="cuda",
+                                               extra_pages=0)
+    cfg = decode_config(heads, q_len, page, chunk_pairs=True, **options)
+    plan = plan_splits(sl, q_len=q_len, num_heads=heads, page_size=page, num_ctas=5)
+    out = torch.empty((len(lengths), q_len, heads, 512), dtype=torch.bfloat16, device="cuda")
+    lse = torch.empty((len(lengths), q_len, heads), dtype=torch.float32, device="cuda")
+    partial_out = torch.empty((plan.num_slots, q_len, heads, 512), dtype=torch.float16, device="cuda")
+    partial_lse = torch.empty((plan.num_slots, q_len, heads), dtype=torch.float32, device="cuda")
+    run_decode(cfg, q, kv, bt, sl, 0.05, qs, ks, plan, out, lse, partial_out, partial_lse,
+               torch.cuda.current_stream())
+    torch.cuda.synchronize()
+    print(f"sanitize: checked chunk pairs H{heads} q{q_len} page {page} {lengths} {options}")
 
 q, kv, bt, sl, qs, ks = make_decode_inputs([100, 64, 40, 5], q_len=1, num_heads=12, page_size=32, device="cuda",
                                            extra_pages=0)
