@@ -24,8 +24,9 @@ Two forms (`DecodeConfig.s_ahead`):
   chunks in registers (64) issued back to back; S(p + 1) is issued once P.V(p) is done (its 64 accumulators do
   not fit beside O^T and both chunks' V^T), so the tensor pipe idles through each softmax;
 - S a pair ahead: S(p + 1)'s first chain (or its only chain, `s_chains=1`) is issued before the softmax of pair
-  p and runs under it, P.V(p) runs a chunk at a time (V^T of one chunk, 32 registers, beside that chain), and
-  S(p + 1)'s second chain is issued once P.V(p) is done. The same arithmetic in the same order: the outputs are
+  p and runs under it, P.V(p) runs a chunk at a time (V^T of one chunk, 32 registers, beside that chain; at 48
+  rows the second chunk's V^T loads under the first's P.V), and S(p + 1)'s second chain is issued once P.V(p) is
+  done. The same arithmetic in the same order: the outputs are
   bit-identical to the first form's.
 
 The third warpgroup only loads. Its warp 0 issues each chunk's TMA boxes onto the stage's "landed" mbarrier once
@@ -320,9 +321,16 @@ class MLADecodePairsSM90(MLADecodeSM90):
         self._stamp(cta, lead, pr, 8 + 8 * cta.wg + 4)  # "V^T loaded" (the first chunk's)
         self._rescale_o(acc_O, sAlpha[None, cta.wg], cta.lt, self.cfg.unit_rescale_skip)
         self._issue_pv_regs(acc_O, a0, p_addr, 0)
-        self._wait_mma(acc_O)  # the next S's first chain and P.V(c0): a0's registers are free
-        a1 = self._load_vt(cta.ring_addr + stage1 * STAGE_BYTES, cta.wg * 4, cta.wl, cta.lane)
-        cute.arch.mbarrier_arrive(bars + NS + stage1)  # stage0 where the second chunk is missing
+        if cutlass.const_expr(self.rows < S_ROWS and self.k_steps_regs == 0):
+            # 48 rows: beside O^T's 96 registers the second chunk's V^T fits while the first's is in flight, so it
+            # loads under P.V(c0) (ptxas spills for it at 64 rows, 52 bytes, and with Q in registers, 60)
+            a1 = self._load_vt(cta.ring_addr + stage1 * STAGE_BYTES, cta.wg * 4, cta.wl, cta.lane)
+            cute.arch.mbarrier_arrive(bars + NS + stage1)  # stage0 where the second chunk is missing
+            self._wait_mma(acc_O)  # the next S's first chain and P.V(c0)
+        else:
+            self._wait_mma(acc_O)  # the next S's first chain and P.V(c0): a0's registers are free
+            a1 = self._load_vt(cta.ring_addr + stage1 * STAGE_BYTES, cta.wg * 4, cta.wl, cta.lane)
+            cute.arch.mbarrier_arrive(bars + NS + stage1)  # stage0 where the second chunk is missing
         self._issue_pv_regs(acc_O, a1, p_addr + p_buffer_bytes(self.rows, self.cfg.p_planes), 0)
         self._stamp(cta, lead, pr, 8 + 8 * cta.wg + 5)  # "P.V issued"
         self._wait_mma(acc_O)  # P.V(c1): a1's registers are free for the next S's second chain
