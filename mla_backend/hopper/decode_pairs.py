@@ -26,8 +26,7 @@ Two forms (`DecodeConfig.s_ahead`):
 - S a pair ahead: S(p + 1)'s first chain (or its only chain, `s_chains=1`) is issued before the softmax of pair
   p and runs under it, P.V(p) runs a chunk at a time (V^T of one chunk, 32 registers, beside that chain; at 48
   rows the second chunk's V^T loads under the first's P.V), and S(p + 1)'s second chain is issued once P.V(p) is
-  done. The same arithmetic in the same order: the outputs are
-  bit-identical to the first form's.
+  done. The same arithmetic in the same order: the outputs are bit-identical to the first form's.
 
 The third warpgroup only loads. Its warp 0 issues each chunk's TMA boxes onto the stage's "landed" mbarrier once
 the stage's "read" mbarrier says both P.V warpgroups are done with the chunk it held (every thread of both
@@ -508,12 +507,12 @@ class MLADecodePairsSM90(MLADecodeSM90):
     @cute.jit
     def _write_p(self, acc_S: cute.Tensor, sPw: cute.Tensor, scale_log2: Float32, use0: Float32, use1: Float32,
                  r0: Int32, lt: Int32, wg: Int32):
-        """P = exp2(s x scale_log2 - max) of this thread's values of rows r0 and r0 + 8 as e4m3 words (x p_scale; one plane,
-        or hi and lo) into P buffer wg: word 4k + lt of a row is tokens 16k + 2lt + (0, 1, 8, 9), the pi order of
-        the P.V A registers (`decode_mma`), which are this thread's acc_S[8k + (0, 1, 4, 5)] (row r0) and
+        """P = exp2(s x scale_log2 - max) of this thread's values of rows r0 and r0 + 8 as e4m3 words (x p_scale;
+        one plane, or hi and lo) into P buffer wg: word 4k + lt of a row is tokens 16k + 2lt + (0, 1, 8, 9), the pi
+        order of the P.V A registers (`decode_mma`), which are this thread's acc_S[8k + (0, 1, 4, 5)] (row r0) and
         [8k + (2, 3, 6, 7)] (row r0 + 8). Returns the thread's sums of the two rows' p x p_scale."""
-        # p * p_scale = exp2(s - max + log2(p_scale)): P's scale inside the exp2 (p_scale is a power of two), so
-        # the sums are in units of p_scale too (`_end_segment` takes it out)
+        # p * p_scale = exp2(s x scale_log2 - max + log2(p_scale)), one FMA and the exp2: P's scale inside the exp2
+        # (p_scale is a power of two), so the sums are in units of p_scale too (`_end_segment` takes it out)
         shift = math.log2(self.cfg.p_scale)
         csum0 = Float32(0.0)
         csum1 = Float32(0.0)
