@@ -19,7 +19,9 @@ difference against the fp32 reference (`mla_backend.reference`) on the same inpu
 combine merges them (`--inputs rising` swaps the bench's random KV for keys rising along each request,
 `rise_keys`). A bad SPEC is an error naming it (exit 2), before anything runs. A change to the kernel's code is
 timed by running this tool on each commit, or, when it is worth keeping as a choice, by a configuration field that
-selects it.
+selects it. `--compile-only` compiles every version and stops, on a machine without a GPU too: run with
+`CUTE_MLA_KERNEL_CACHE=DIR` there, and the GPU run of the same versions with the same sources loads them from DIR
+instead of spending its time compiling.
 
 Timing: one launch per sample, CUDA events around it, after a ~200 us spin kernel, so that the GPU is still
 busy while the host enqueues the start event, the launch and the end event (without it the host's launch path,
@@ -303,22 +305,38 @@ def run_case(case, versions, rounds, per_round, bandwidth, ctas=(), errors=False
               f"of KV  (min {min(t) * 1e6:.1f}, spread {spread:.1%}){check}")
 
 
+def report_compiles(case, versions) -> None:
+    """One line per compiled version: how this process got its kernel (compiled, or loaded from the kernel cache)
+    and the kernel's name in a cache directory."""
+    from mla_backend import jit_cache
+
+    for i, (name, cfg) in enumerate(versions):
+        how, seconds = jit_cache.origin(cfg)
+        same = " (= current)" if i and cfg == versions[0][1] else ""
+        print(f"{' '.join(map(str, case))}: {name}{same}: {how} in {seconds:.1f} s ({jit_cache.kernel_name(cfg)})")
+
+
 def run(cases, variants, rounds=8, per_round=5, rows_per_block=None, ctas=(), prog=PROG, errors=False,
-        inputs="bench") -> int:
+        inputs="bench", compile_only=False) -> int:
     """Time the current configuration and each (name, overrides) of `variants` on every case (heads, q_len, page,
     kv, batch). Every configuration is resolved first, then compiled: one that is invalid or does not build is a
-    one-line error (2), as is no GPU."""
+    one-line error (2), as is no GPU. compile_only: compile them and stop (no GPU needed), saying how each kernel
+    was got."""
     try:
         versions = [version_configs(c, variants, rows_per_block) for c in cases]
     except ValueError as err:
         return error(prog, err)
-    if not torch.cuda.is_available():
+    if not compile_only and not torch.cuda.is_available():
         return error(prog, "needs a CUDA GPU (Hopper)")
     try:
         for case, vs in zip(cases, versions):
             compile_versions(case, vs)
     except ValueError as err:
         return error(prog, err)
+    if compile_only:
+        for case, vs in zip(cases, versions):
+            report_compiles(case, vs)
+        return 0
     from mla_backend.bench.ceilings import measure_read_bandwidth
 
     bandwidth = measure_read_bandwidth()
@@ -350,6 +368,9 @@ def main(argv=None) -> int:
                    help="the step bench's random inputs, or KV rising along each request (rise_keys)")
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--per-round", type=int, default=5)
+    p.add_argument("--compile-only", action="store_true",
+                   help="compile every version and stop (no GPU needed): with CUTE_MLA_KERNEL_CACHE set, a GPU run "
+                        "of the same versions then loads them instead of compiling")
     args = p.parse_args(argv)
     try:
         cases = [parse_case(c) for c in args.case] or [(args.heads, args.q_len, args.page, args.kv, args.batch)]
@@ -357,7 +378,7 @@ def main(argv=None) -> int:
     except ValueError as err:
         return error(PROG, err)
     return run(cases, variants, args.rounds, args.per_round, args.rows_per_block, args.ctas, errors=args.error,
-               inputs=args.inputs)
+               inputs=args.inputs, compile_only=args.compile_only)
 
 
 if __name__ == "__main__":

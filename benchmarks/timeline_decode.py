@@ -18,6 +18,7 @@ done" includes that issue. `--variant SPEC` stamps a configuration with override
 The chunk-pairs schedule (`--variant chunk_pairs=1`, research) stamps its load warpgroup per chunk and its MMA
 warpgroups per pair of chunks (`P_EVENTS_OF`): the pairs [F, F + TIMELINE_CHUNKS), which are chunks [2F, 2F + 80).
 
+`--compile-only` compiles the builds and stops, also without a GPU (bench_decode_kernel.py says what it is for).
 `--cta` and `--row-block` read another stamped CTA; `--first-chunk F` stamps chunks [F, F + TIMELINE_CHUNKS)
 instead of the first ones. The first chunks of a long segment need not run at the kernel's average pace: H12 q8
 1M x B1 took ~3500 cycles per chunk over chunks 4-38 and ~2960 on average over its ~248 (docs/performance.md),
@@ -154,6 +155,8 @@ def main(argv=None) -> int:
     p.add_argument("--first-chunk", type=int, default=0,
                    help=f"stamp chunks [F, F + {TIMELINE_CHUNKS}) of the segment instead of the first "
                         f"{TIMELINE_CHUNKS}: the first chunks of a long segment can run at another pace than the rest")
+    p.add_argument("--compile-only", action="store_true",
+                   help="compile the timeline builds and stop (no GPU needed; see bench_decode_kernel.py's)")
     args = p.parse_args(argv)
     if not 0 <= args.cta < TIMELINE_CTAS or args.row_block < 0:
         p.error(f"--cta must be in [0, {TIMELINE_CTAS}) and --row-block >= 0")
@@ -167,6 +170,16 @@ def main(argv=None) -> int:
                                  f"{args.row_block} is past them")
     except ValueError as err:
         return bk.error(PROG, err)
+    if args.compile_only:
+        name = args.variant or "current"  # how an error and the report name the build
+        try:
+            for case, cfg in zip(cases, configs):
+                bk.compile_versions(case, [(name, cfg)])
+        except ValueError as err:
+            return bk.error(PROG, err)
+        for case, cfg in zip(cases, configs):
+            bk.report_compiles(case, [(name + " (timeline build)", cfg)])
+        return 0
     if not torch.cuda.is_available():
         return bk.error(PROG, "needs a CUDA GPU (Hopper)")
     for case, cfg in zip(cases, configs):

@@ -121,3 +121,33 @@ def test_rising_inputs_grow_each_requests_keys_along_its_tokens():
         gain[tok % 997 == 500] = 6.0
         ratio = rows.abs().mean(dim=1) / gain  # ~ E|N(0, 2)| for every token
         assert ratio.std() / ratio.mean() < 0.1
+
+
+
+def test_compile_only_fills_the_kernel_cache_that_the_next_run_loads(empty_kernel_cache, monkeypatch, capsys):
+    """--compile-only compiles every version without a GPU into the cache directory, one line each; a later
+    process (its memory empty again) loads them from there instead of compiling."""
+    from mla_backend import jit_cache
+
+    args = ["--case", "12 8 32 4096 1", "--variant", "p_planes=2", "--variant", "p_planes=1", "--compile-only"]
+    assert bk.main(args) == 0
+    lines = capsys.readouterr().out.splitlines()
+    configs = [decode_config(12, 8, 32), decode_config(12, 8, 32, p_planes=2), decode_config(12, 8, 32, p_planes=1)]
+    assert len(lines) == 3 and configs[1] != configs[2]
+    for line, version, cfg in zip(lines, ["current", "p_planes=2", "p_planes=1"], configs):
+        assert line.startswith(f"12 8 32 4096 1: {version}") and ": compiled in " in line
+        name = jit_cache.kernel_name(cfg)
+        assert name in line and (empty_kernel_cache / (name + ".o")).exists()
+    # the variant that is the current configuration says so
+    assert (" (= current)" in lines[1]) == (configs[1] == configs[0])
+    monkeypatch.setattr(jit_cache, "_memory", {})
+    monkeypatch.setattr(jit_cache, "_origin", {})
+    assert bk.main(args) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 3 and all(": loaded in " in line for line in lines)
+
+
+def test_compile_only_still_refuses_a_configuration_that_does_not_build(empty_kernel_cache, capsys):
+    assert bk.main(["--case", "128 1 32 4096 1", "--variant", "rows_per_block=64,num_stages=4", "--compile-only"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "'rows_per_block=64,num_stages=4'" in err and "shared memory" in err

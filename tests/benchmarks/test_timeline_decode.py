@@ -81,3 +81,14 @@ def test_phase_medians_wrap_order_and_missing():
     assert ph["period"] == 1000
     assert ph[("a", "c")] == 100 and ph[("c", "b")] == 200 and ph[("b", "a (next)")] == 700
     assert ("a", "b") not in ph  # chunk 5's order, seen once
+
+
+def test_compile_only_compiles_the_timeline_build_without_a_gpu(empty_kernel_cache, capsys):
+    from mla_backend import jit_cache
+
+    assert tl.main(["--case", "128 1 64 131072 4", "--variant", "chunk_pairs=1", "--first-chunk", "30",
+                    "--compile-only"]) == 0
+    cfg = tl.timeline_config((128, 1, 64, 131072, 4), 30, {"chunk_pairs": True})
+    line, = capsys.readouterr().out.splitlines()
+    assert line.startswith("128 1 64 131072 4: chunk_pairs=1 (timeline build): compiled in ")
+    assert (empty_kernel_cache / (jit_cache.kernel_name(cfg) + ".o")).exists()
