@@ -213,11 +213,13 @@ class DecodeMMA:
         self._issue_pv_regs(acc_O, self._load_vt(stage_addr, dim_tile0, wl, lane), p_addr, acc_tile0)
 
     @cute.jit
-    def _load_vt(self, stage_addr: Int32, dim_tile0: Int32, wl: Int32, lane: Int32):
-        """The A registers of P.V for 4 m64 tiles of dims (32 per thread): V^T by ldmatrix.trans + prmt."""
+    def _load_vt(self, stage_addr: Int32, dim_tile0: Int32, wl: Int32, lane: Int32,
+                 num_tiles: cutlass.Constexpr = 4):
+        """The A registers of P.V for num_tiles m64 tiles of dims from dim_tile0 (8 per tile and thread): V^T by
+        ldmatrix.trans + prmt."""
         C = CHUNK
         a_regs = []
-        for t in cutlass.range_constexpr(4):
+        for t in cutlass.range_constexpr(num_tiles):
             tile = dim_tile0 + t
             piece = ((tile % 2) * 4 + wl) ^ (lane % 8)
             v_addr = stage_addr + (tile // 2) * (C * 128) + lane * 128 + piece * 16

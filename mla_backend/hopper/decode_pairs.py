@@ -87,6 +87,13 @@ assert S_ROWS == CHUNK
 # (sm_90a, 232 / 40) fits 8 without spills or serialised wgmmas in both forms (9, the whole chain, spills 8 bytes
 # with S ahead); at 64 rows (O^T 128) even 2 spill, 20 bytes (68 with S ahead).
 PAIRS_Q_STEPS_REGS = 8
+# The phase-after-phase form's V^T loads, as dim tiles (8 registers a thread each) by rows: of the pair's first
+# chunk, those loaded past the maxima barrier, under P's computation (the rest follow P, before the P barrier); of
+# the second, those loaded under the first chunk's P.V (the rest once it is done). Each as many as ptxas (sm_90a,
+# 232 / 40) fits without spills: at 64 rows 3 tiles under P.V spill 4 bytes, and all 4 of the second chunk's
+# without the wait 32, beside O^T's 128 registers.
+PAIRS_VT_TILES_EARLY = {48: 4, 64: 4}
+PAIRS_VT_TILES_UNDER_PV = {48: 4, 64: 2}
 
 
 class PairSegment:
@@ -275,17 +282,31 @@ class MLADecodePairsSM90(MLADecodeSM90):
         self._issue_qk_chains(acc_A, acc_B, q_regs, k_base, cta.q_addr)
         self._sum_qk_chains(acc_S, acc_A, acc_B)
         self._stamp(cta, lead, pr, 8 + 8 * cta.wg + 1)  # "S done"
-        new0, new1, alpha0, alpha1, csum0, csum1 = self._softmax_pair(cta, seg, acc_S, sPw, sMax, sAlpha, pr, m0,
-                                                                      m1)
-        # both chunks into this warpgroup's 256 dims (a missing second chunk: zero P against chunk c0's V^T)
+        new0, new1, use0, use1, alpha0, alpha1 = self._exchange_maxima(cta, seg, acc_S, sMax, pr, m0, m1)
+        # both chunks into this warpgroup's 256 dims (a missing second chunk: zero P against chunk c0's V^T). V^T of
+        # the first is loaded here, past the maxima barrier (so both chunks' zeroed tails are visible), to run
+        # under P's exp2 and conversions, and the second's under P.V of the first (PAIRS_VT_TILES_*): ldmatrix
+        # takes the shared-memory pipe, which neither of those needs (both loads sat between the P barrier and
+        # P.V, ~900 cycles of a ~4980-cycle pair at H128: experiments.md). The same arithmetic in the same order.
         stage0, stage1, has_c1 = self._pair_stages(cta, seg, pr)
-        a0 = self._load_vt(cta.ring_addr + stage0 * STAGE_BYTES, cta.wg * 4, cta.wl, cta.lane)
-        a1 = self._load_vt(cta.ring_addr + stage1 * STAGE_BYTES, cta.wg * 4, cta.wl, cta.lane)
-        self._release_pair_stages(cta, stage0, stage1, has_c1)
-        self._stamp(cta, lead, pr, 8 + 8 * cta.wg + 4)  # "V^T loaded"
+        stage0_addr = cta.ring_addr + stage0 * STAGE_BYTES
+        early = PAIRS_VT_TILES_EARLY[self.rows]
+        a0 = self._load_vt(stage0_addr, cta.wg * 4, cta.wl, cta.lane, early)
+        csum0, csum1 = self._publish_p(cta, acc_S, sPw, sAlpha, pr, use0, use1, alpha0, alpha1)
+        if cutlass.const_expr(early < 4):
+            a0 = a0 + self._load_vt(stage0_addr, cta.wg * 4 + early, cta.wl, cta.lane, 4 - early)
+        self._pass_p_barrier(cta, pr)
         self._rescale_o(acc_O, sAlpha[None, cta.wg], cta.lt, self.cfg.unit_rescale_skip)
         p_addr = cta.storage.p.data_ptr().toint()
         self._issue_pv_regs(acc_O, a0, p_addr, 0)
+        stage1_addr = cta.ring_addr + stage1 * STAGE_BYTES
+        under = PAIRS_VT_TILES_UNDER_PV[self.rows]
+        a1 = self._load_vt(stage1_addr, cta.wg * 4, cta.wl, cta.lane, under)
+        if cutlass.const_expr(under < 4):
+            self._wait_mma(acc_O)
+            a1 = a1 + self._load_vt(stage1_addr, cta.wg * 4 + under, cta.wl, cta.lane, 4 - under)
+        self._release_pair_stages(cta, stage0, stage1, has_c1)
+        self._stamp(cta, lead, pr, 8 + 8 * cta.wg + 4)  # "V^T loaded" (the second chunk's)
         self._issue_pv_regs(acc_O, a1, p_addr + p_buffer_bytes(self.rows, self.cfg.p_planes), 0)
         self._stamp(cta, lead, pr, 8 + 8 * cta.wg + 5)  # "P.V issued"
         return new0, new1, l0 * alpha0 + csum0, l1 * alpha1 + csum1
@@ -399,11 +420,21 @@ class MLADecodePairsSM90(MLADecodeSM90):
     @cute.jit
     def _softmax_pair(self, cta: CTAContext, seg, acc_S: cute.Tensor, sPw: cute.Tensor, sMax: cute.Tensor,
                       sAlpha: cute.Tensor, pr: Int32, m0: Float32, m1: Float32):
-        """The softmax of this warpgroup's chunk of pair pr on S's accumulators (acc_S[4i + e] = (row r0, token
-        8i + 2lt + e), acc_S[4i + 2 + e] = (row r0 + 8, same token)), the maxima exchange with the other
-        warpgroup, P into P buffer wg and the pair's alphas into sAlpha[:, wg]; ends at the P barrier. S's padding
-        rows (48-row blocks) store none of these. Returns the rows' new maxima, alphas and this thread's sums of
-        their p."""
+        """The softmax of this warpgroup's chunk of pair pr: `_exchange_maxima`, then `_publish_p`. Returns the
+        rows' new maxima, alphas and this thread's sums of their p."""
+        new0, new1, use0, use1, alpha0, alpha1 = self._exchange_maxima(cta, seg, acc_S, sMax, pr, m0, m1)
+        csum0, csum1 = self._publish_p(cta, acc_S, sPw, sAlpha, pr, use0, use1, alpha0, alpha1)
+        self._pass_p_barrier(cta, pr)
+        return new0, new1, alpha0, alpha1, csum0, csum1
+
+    @cute.jit
+    def _exchange_maxima(self, cta: CTAContext, seg, acc_S: cute.Tensor, sMax: cute.Tensor, pr: Int32,
+                         m0: Float32, m1: Float32):
+        """The first half of the softmax of this warpgroup's chunk of pair pr on S's accumulators (acc_S[4i + e] =
+        (row r0, token 8i + 2lt + e), acc_S[4i + 2 + e] = (row r0 + 8, same token)): masking, the rows' chunk
+        maxima, their exchange with the other warpgroup (ends past the maxima barrier). S's padding rows (48-row
+        blocks) store no maxima. Returns the rows' new maxima, the maxima P is taken against (0 for a row that has
+        seen no token) and the alphas."""
         C = CHUNK
         wg, lt = cta.wg, cta.lt
         r0 = 16 * cta.wl + cta.lg
@@ -442,6 +473,17 @@ class MLADecodePairsSM90(MLADecodeSM90):
             use1 = Float32(0.0)
         alpha0 = cute.math.exp2(m0 - use0, fastmath=True)
         alpha1 = cute.math.exp2(m1 - use1, fastmath=True)
+        return new0, new1, use0, use1, alpha0, alpha1
+
+    @cute.jit
+    def _publish_p(self, cta: CTAContext, acc_S: cute.Tensor, sPw: cute.Tensor, sAlpha: cute.Tensor, pr: Int32,
+                   use0: Float32, use1: Float32, alpha0: Float32, alpha1: Float32):
+        """The second half: P of this warpgroup's chunk into P buffer wg and the pair's alphas into sAlpha[:, wg]
+        (none for S's padding rows), before the P barrier (`_pass_p_barrier`). Returns this thread's sums of its
+        rows' p."""
+        wg, lt = cta.wg, cta.lt
+        r0 = 16 * cta.wl + cta.lg
+        block_rows = self._block_rows(cta)
         csum0 = Float32(0.0)
         csum1 = Float32(0.0)
         if block_rows:
@@ -449,9 +491,13 @@ class MLADecodePairsSM90(MLADecodeSM90):
         if lt == 0 and block_rows:
             sAlpha[r0, wg] = alpha0
             sAlpha[r0 + 8, wg] = alpha1
+        return csum0, csum1
+
+    @cute.jit
+    def _pass_p_barrier(self, cta: CTAContext, pr: Int32):
+        """Both warpgroups' P and alphas of pair pr written (`_publish_p`)."""
         cute.arch.barrier(barrier_id=PAIR_P_BAR, number_of_threads=SOFTMAX_THREADS)
-        self._stamp(cta, lead, pr, 8 + 8 * wg + 3)  # "P barrier passed"
-        return new0, new1, alpha0, alpha1, csum0, csum1
+        self._stamp(cta, cta.tidx % WARPGROUP == 0, pr, 8 + 8 * cta.wg + 3)  # "P barrier passed"
 
     @cute.jit
     def _mask_max(self, cta: CTAContext, acc_S: cute.Tensor, tok0: Int32, masked_by):
