@@ -102,7 +102,8 @@ TIMELINE_CHUNKS = 40  # chunks stamped per CTA by a timeline build (benchmarks/t
 class DecodeConfig:
     """Everything the SM90 decode kernel is compiled for.
 
-    rows_per_block 16 runs the ping-pong schedule (`hopper/decode_rows16.py`), 32, 48 and 64 the S^T-warpgroup
+    rows_per_block 16 runs the ping-pong schedule (`hopper/decode_rows16.py`), 64 the chunk-pairs schedule
+    (`chunk_pairs`, below; `default_chunk_pairs`), 32 and 48 (and 64 with chunk_pairs=False) the S^T-warpgroup
     schedule, its KV by TMA (`hopper/decode_swg_tma.py`, the default) or by cp.async (`kv_loads="cp_async"`,
     `hopper/decode_swg.py`); `kv_refill` orders the TMA schedule's refills and `kv_box_tokens` sizes its boxes
     (KV_BOX_TOKENS). `lazy_rescale` (research) keeps each row's reference max until a chunk's max passes it by
@@ -114,8 +115,8 @@ class DecodeConfig:
     `s_chains` (research) is the number of wgmma accumulator chains S^T's 18 k32 steps run as: 2 (the default, two
     chains of 9 summed in fp32, for the accuracy of FP8 accumulation) or 1 (one chain of 18); `q_in_registers`
     (research, 64 rows, TMA; one S chain unless s_chains=2 is asked for) runs S = Q.K^T with Q in the S warpgroup's
-    registers (`hopper/decode_swg_qregs.py`). `chunk_pairs` (research, 48 and 64 rows, TMA, 4 ring stages unless
-    asked otherwise) runs the chunk-pairs schedule (`hopper/decode_pairs.py`): S and the softmax in the P.V
+    registers (`hopper/decode_swg_qregs.py`). `chunk_pairs` (64 rows' default, research at 48; TMA, 4 ring stages
+    unless asked otherwise) runs the chunk-pairs schedule (`hopper/decode_pairs.py`): S and the softmax in the P.V
     warpgroups' registers, two chunks a pair; `s_ahead` (research, 4 stages) issues each pair's S during the
     previous pair there, and `q_in_registers` there (48 rows) keeps Q's first 8 k32 steps in the MMA
     warpgroups' registers (two S chains unless asked otherwise). `poison_smem` (a check for tests) sets
@@ -266,6 +267,18 @@ def default_num_stages(rows_per_block: int) -> int:
     return 4 if rows_per_block <= 32 else 3
 
 
+def default_chunk_pairs(rows_per_block: int, kv_loads: str, pv_order: Optional[str], research: dict) -> bool:
+    """The chunk-pairs schedule (`hopper/decode_pairs.py`) for 64-row blocks with the KV by TMA, unless a switch
+    of the S^T-warpgroup schedule is asked for (Q in registers, lazy_rescale, per-tile P.V, no S^T stores). H200,
+    decode alone, one process, 5 rounds, S^T-warpgroup schedule -> chunk pairs, errors equal: H128 q1 page 64 128K
+    x B4 213.4 -> 185.6 us, H128 q2 128K x B4 378.6 -> 330.6, H128 1M x B4 1510.3 -> 1294.6, H64 1M x B2 469.1 ->
+    409.6, H16 q4 1M x B2 455.6 -> 367.6. At 48 rows (S padded to 64) it is slower: H12 q8 page 64 1M x B1 339.0 ->
+    376.5, 128K x B4 172.7 -> 199.0."""
+    return (rows_per_block == 64 and kv_loads == "tma" and pv_order in (None, "whole")
+            and not research.get("q_in_registers") and not research.get("lazy_rescale")
+            and "store_s" not in research.get("skip", ()))
+
+
 def p_planes_for(p_precision: str, rows_per_block: int) -> int:
     """e4m3 planes of P for a precision mode: one only where it is faster, above 16 rows (see P_PRECISIONS)."""
     check_p_precision(p_precision)
@@ -284,6 +297,10 @@ def decode_config(num_heads: int, q_len: int, page_size: int, *, tile_tokens: in
     rows = default_rows_per_block(num_heads, q_len) if rows_per_block is None else rows_per_block
     if p_planes is None:
         p_planes = p_planes_for(env.p_precision if p_precision is None else p_precision, rows)
+    if kv_loads is None:
+        kv_loads = default_kv_loads(rows, tile_tokens)
+    if "chunk_pairs" not in research:
+        research = {**research, "chunk_pairs": default_chunk_pairs(rows, kv_loads, pv_order, research)}
     if research.get("q_in_registers") and not research.get("chunk_pairs"):
         research = {"s_chains": 1, **research}  # one chain leaves the most of Q in registers
     if research.get("chunk_pairs") and num_stages is None:
@@ -292,7 +309,7 @@ def decode_config(num_heads: int, q_len: int, page_size: int, *, tile_tokens: in
                         causal=bool(causal), rows_per_block=rows,
                         num_stages=default_num_stages(rows) if num_stages is None else num_stages,
                         p_planes=p_planes,
-                        kv_loads=default_kv_loads(rows, tile_tokens) if kv_loads is None else kv_loads,
+                        kv_loads=kv_loads,
                         kv_box_tokens=(default_kv_box_tokens(page_size, tile_tokens) if kv_box_tokens is None
                                        else kv_box_tokens),
                         pv_order=(default_pv_order(rows, bool(research.get("lazy_rescale")

@@ -115,7 +115,7 @@ def test_kv_loads_by_schedule_and_checked():
 
     assert (decode_config(12, 1, 32).kv_loads, decode_config(12, 1, 32).schedule) == ("cp_async", "rows16")
     for heads, q_len in ((16, 2), (12, 8), (128, 1)):
-        cfg = decode_config(heads, q_len, 64)
+        cfg = decode_config(heads, q_len, 64, chunk_pairs=False)  # 64 rows run the chunk-pairs schedule unless
         assert (cfg.kv_loads, cfg.kv_refill, cfg.schedule) == ("tma", "under_s", "swg_tma")
         assert decode_config(heads, q_len, 64, kv_loads="cp_async").schedule == "swg"
     with pytest.raises(ValueError, match="kv_loads='tma' is a load path of the S"):

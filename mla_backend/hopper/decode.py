@@ -1,9 +1,9 @@
 """The SM90 split-KV decode: the schedule a configuration runs, its compile, and its launch on torch tensors.
 
-docs/design.md explains the kernels; `decode_rows16.py` (16-row blocks, q_len x H <= 16) and `decode_swg.py` (32,
-48 and 64 rows; `decode_swg_tma.py` its TMA form) are the runtime's schedules, `decode_swg_qregs.py` (64 rows) and
-`decode_pairs.py` (48 and 64 rows) research ones, over the shared pieces `decode_common`, `paged_kv`, `softmax`,
-`decode_mma` and `epilogue`.
+docs/design.md explains the kernels; `decode_rows16.py` (16-row blocks, q_len x H <= 16), `decode_swg.py` (32 and 48
+rows, 64 on request; `decode_swg_tma.py` its TMA form) and `decode_pairs.py` (64 rows; 48 research) are the
+runtime's schedules, `decode_swg_qregs.py` (64 rows) a research one, over the shared pieces `decode_common`,
+`paged_kv`, `softmax`, `decode_mma` and `epilogue`.
 """
 
 from __future__ import annotations

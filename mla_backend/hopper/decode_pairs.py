@@ -1,5 +1,5 @@
-"""The SM90 decode for 48- and 64-row blocks with S and the softmax in the P.V warpgroups' registers, two chunks at
-a time (research: `DecodeConfig.chunk_pairs`).
+"""The SM90 decode for 64-row blocks (the runtime's there) and 48-row ones (research) with S and the softmax in the
+P.V warpgroups' registers, two chunks at a time (`DecodeConfig.chunk_pairs`, `config.default_chunk_pairs`).
 
 Why. In the S^T-warpgroup schedule (`decode_swg.py`) a third warpgroup computes S^T and hands it over through
 shared memory; the two P.V warpgroups then read it back, run the softmax, load V^T and issue P.V, one chunk after
@@ -20,13 +20,15 @@ softmax reads none, and one rescale serves two chunks. Per chunk that moves ~176
 S^T-warpgroup schedule.
 
 Two forms (`DecodeConfig.s_ahead`):
-- phase after phase (the default of the switch): S(p), the softmax and the exchanges, then P.V with V^T of both
-  chunks in registers (64) issued back to back; S(p + 1) is issued once P.V(p) is done (its 64 accumulators do
-  not fit beside O^T and both chunks' V^T), so the tensor pipe idles through each softmax;
+- phase after phase (the default of the switch): S(p), the softmax and the exchanges, then P.V of both chunks,
+  V^T of the first loaded under P's computation and of the second under the first's P.V (`_pair`); S(p + 1) is
+  issued once P.V(p) is done (its 64 accumulators do not fit beside O^T and V^T), so the tensor pipe idles
+  through each softmax;
 - S a pair ahead: S(p + 1)'s first chain (or its only chain, `s_chains=1`) is issued before the softmax of pair
   p and runs under it, P.V(p) runs a chunk at a time (V^T of one chunk, 32 registers, beside that chain; at 48
   rows the second chunk's V^T loads under the first's P.V), and S(p + 1)'s second chain is issued once P.V(p) is
-  done. The same arithmetic in the same order: the outputs are bit-identical to the first form's.
+  done. The same arithmetic in the same order: the outputs are bit-identical to the first form's. Its chain's
+  registers keep V^T's loads after the P barrier, and it measured slower than the first form (experiments.md).
 
 The third warpgroup only loads. Its warp 0 issues each chunk's TMA boxes onto the stage's "landed" mbarrier once
 the stage's "read" mbarrier says both P.V warpgroups are done with the chunk it held (every thread of both
@@ -56,7 +58,9 @@ Registers (setmaxnreg): 232 for the P.V warpgroups (at 64 rows O^T 128 beside S'
 or with S ahead one chain, one chunk's V^T and the softmax's values; O^T 96 at 48 rows) and 40 for the load
 warpgroup, the 3 x 168 a 384-thread launch gives each thread triple.
 
-Not yet run on a GPU.
+On the H200 (experiments.md) the phase-after-phase form at 64 rows takes 0.81-0.87 of the S^T-warpgroup
+schedule's time (H128, H64, H16 q_len 4) and at 48 rows 1.11-1.15; ncu at H128 puts the shared-memory pipe at ~52%
+and the tensor pipe at ~48%: its chain of phases, run by both warpgroups at once, sets the pace.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""The SM90 decode for 32-, 48- and 64-row blocks (MTP q_len 2-8, many heads per rank): the S^T-warpgroup schedule.
+"""The SM90 decode for 32-, 48- and 64-row blocks (MTP q_len 2-8, many heads per rank): the S^T-warpgroup schedule
+(the runtime's at 32 and 48 rows; 64-row blocks run the chunk-pairs schedule, `decode_pairs.py`, unless asked).
 
 A third warpgroup (wg 2) loads Q and the KV chunks (a ring of 3 or 4 stages) and runs all 18 k32 steps of S^T per
 chunk (two chains of 9 summed in fp32), storing the full S^T into one of two buffers; warpgroups 0 and 1 run only

@@ -49,8 +49,9 @@ def test_variants_are_the_runtime_configuration_with_overrides():
     current = versions[0][1]
     assert current == decode_config(12, 8, 32)
     assert versions[1][1] == decode_config(12, 8, 32, p_planes=2)
-    # fields a variant leaves out keep decode_config's defaults for what it sets: 64 rows take 3 ring stages
-    assert (versions[2][1].rows_per_block, versions[2][1].num_stages) == (64, 3)
+    # fields a variant leaves out keep decode_config's defaults for what it sets: 64 rows take the chunk-pairs
+    # schedule and its 4 ring stages
+    assert (versions[2][1].rows_per_block, versions[2][1].num_stages, versions[2][1].schedule) == (64, 4, "pairs")
     assert versions[3][1].skip == {"pv"} and not versions[3][1].runs("pv")
     # --rows-per-block applies to every version, a variant's own rows_per_block wins
     rows32 = bk.version_configs(case, [("d", {"rows_per_block": 48})], rows_per_block=32)
@@ -82,9 +83,8 @@ def test_main_needs_a_gpu_and_says_so(capsys, monkeypatch):
 
 def test_a_variant_that_does_not_fit_shared_memory_is_an_error_naming_it():
     case = (128, 1, 32, 4096, 1)
-    versions = bk.version_configs(case, [("rows_per_block=64,num_stages=4", {"rows_per_block": 64,
-                                                                              "num_stages": 4})])
-    with pytest.raises(ValueError, match=r"--variant 'rows_per_block=64,num_stages=4'.*shared memory"):
+    versions = bk.version_configs(case, [("num_stages=5", {"num_stages": 5})])
+    with pytest.raises(ValueError, match=r"--variant 'num_stages=5'.*shared memory"):
         bk.compile_versions(case, versions[1:])
 
 
@@ -148,6 +148,6 @@ def test_compile_only_fills_the_kernel_cache_that_the_next_run_loads(empty_kerne
 
 
 def test_compile_only_still_refuses_a_configuration_that_does_not_build(empty_kernel_cache, capsys):
-    assert bk.main(["--case", "128 1 32 4096 1", "--variant", "rows_per_block=64,num_stages=4", "--compile-only"]) == 2
+    assert bk.main(["--case", "128 1 32 4096 1", "--variant", "num_stages=5", "--compile-only"]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "'rows_per_block=64,num_stages=4'" in err and "shared memory" in err
+    assert err.count("\n") == 1 and "'num_stages=5'" in err and "shared memory" in err

@@ -32,13 +32,13 @@ def test_every_schedule_a_timeline_stamps_names_its_events():
     """The S^T warpgroup's five events are named for each schedule a timeline build can run: cp.async loads, TMA
     loads, and TMA with Q in registers (which failed with a KeyError before it was named)."""
     schedules = set()
-    for overrides in ({"kv_loads": "cp_async"}, {}, {"q_in_registers": True}):
+    for overrides in ({"kv_loads": "cp_async"}, {"chunk_pairs": False}, {"q_in_registers": True}):
         cfg = tl.timeline_config((128, 1, 64, 1 << 17, 4), 60, overrides)
         assert len(tl.S_EVENTS[cfg.schedule]) == 5
         schedules.add(cfg.schedule)
     assert schedules == {"swg", "swg_tma", "swg_tma_qregs"}
-    # the chunk-pairs schedule (research): a load warpgroup with two events, MMA warpgroups with six per pair
-    cfg = tl.timeline_config((128, 1, 64, 1 << 17, 4), 30, {"chunk_pairs": True})
+    # the chunk-pairs schedule (64 rows' default): a load warpgroup with two events, MMA warpgroups with six per pair
+    cfg = tl.timeline_config((128, 1, 64, 1 << 17, 4), 30)
     assert cfg.schedule == "pairs" and len(tl.S_EVENTS["pairs"]) == 2 and len(tl.P_EVENTS_OF["pairs"]) == 6
 
 

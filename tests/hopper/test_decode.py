@@ -48,13 +48,14 @@ def test_compiles(num_heads, q_len, page_size, tile_tokens, causal):
 
 
 def test_configurations_pick_the_schedule_stages_and_rows():
-    """48 and 64 rows fit shared memory with 3 ring stages; 16-row blocks run the ping-pong schedule (4 stages),
-    32-64 rows the S^T-warpgroup schedule; with 48 rows the softmax runs on 192 threads (4 per row)."""
+    """16-row blocks run the ping-pong schedule (4 stages), 32 and 48 rows the S^T-warpgroup schedule (48 rows fit
+    shared memory with 3 ring stages), 64 rows the chunk-pairs schedule (4 stages); with 48 rows the softmax runs
+    on 192 threads (4 per row)."""
     from mla_backend.config import decode_config
     from mla_backend.hopper.decode import decode_kernel
 
     expected = {(12, 1): (16, 4, "rows16", 1), (16, 2): (32, 4, "swg_tma", 1), (12, 4): (48, 3, "swg_tma", 1),
-                (12, 8): (48, 3, "swg_tma", 2), (128, 1): (64, 3, "swg_tma", 2), (16, 4): (64, 3, "swg_tma", 1)}
+                (12, 8): (48, 3, "swg_tma", 2), (128, 1): (64, 4, "pairs", 2), (16, 4): (64, 4, "pairs", 1)}
     for (h, q), (rows, stages, schedule, blocks) in expected.items():
         cfg = decode_config(h, q, 32)
         assert (cfg.rows_per_block, cfg.num_stages, cfg.schedule, cfg.num_row_blocks) == (rows, stages, schedule,
@@ -228,7 +229,9 @@ def test_chunk_pairs_is_checked():
         with pytest.raises(ValueError, match="chunk_pairs is a schedule of 48- and 64-row blocks"):
             decode_config(128, 1, 64, chunk_pairs=True, **options)
     with pytest.raises(ValueError, match="s_ahead is a form of the chunk_pairs schedule"):
-        decode_config(128, 1, 64, s_ahead=True)
+        decode_config(12, 8, 32, s_ahead=True)
+    with pytest.raises(ValueError, match="s_ahead is a form of the chunk_pairs schedule"):
+        decode_config(128, 1, 64, s_ahead=True, chunk_pairs=False)
     with pytest.raises(ValueError, match="q_in_registers with chunk_pairs is for 48-row blocks"):
         decode_config(128, 1, 64, chunk_pairs=True, q_in_registers=True)
     assert decode_config(12, 8, 32, chunk_pairs=True, q_in_registers=True).s_chains == 2  # two unless asked
@@ -236,6 +239,16 @@ def test_chunk_pairs_is_checked():
     with pytest.raises(ValueError, match="s_ahead needs 4 ring stages"):
         decode_config(128, 1, 64, chunk_pairs=True, s_ahead=True, num_stages=3)
     assert decode_config(128, 1, 64, chunk_pairs=True, num_stages=3).num_stages == 3
+    # 64 rows run it by default (with 4 stages), unless a switch of the S^T-warpgroup schedule is asked for
+    assert [decode_config(h, q, 64).chunk_pairs for h, q in ((128, 1), (16, 4), (12, 8), (16, 2))] == [
+        True, True, False, False]
+    assert decode_config(128, 1, 64).num_stages == 4 and decode_config(128, 1, 64, num_stages=3).chunk_pairs
+    for options, schedule in (({"kv_loads": "cp_async"}, "swg"), ({"q_in_registers": True}, "swg_tma_qregs"),
+                              ({"lazy_rescale": True}, "swg_tma"), ({"pv_order": "per_tile"}, "swg_tma"),
+                              ({"skip": frozenset({"store_s"})}, "swg_tma"), ({"chunk_pairs": False}, "swg_tma"),
+                              ({"tile_tokens": 16, "page_size": 16}, "swg")):
+        page = options.pop("page_size", 64)
+        assert decode_config(128, 1, page, **options).schedule == schedule, options
     assert 2 * PAIRS_REGS_MMA + PAIRS_REGS_LOAD == 3 * 168  # what a 384-thread launch gives each thread triple
 
 
