@@ -91,12 +91,9 @@ assert S_ROWS == CHUNK
 # (sm_90a, 232 / 40) fits 8 without spills or serialised wgmmas in both forms (9, the whole chain, spills 8 bytes
 # with S ahead); at 64 rows (O^T 128) even 2 spill, 20 bytes (68 with S ahead).
 PAIRS_Q_STEPS_REGS = 8
-# The phase-after-phase form's V^T loads, as dim tiles (8 registers a thread each) by rows: of the pair's first
-# chunk, those loaded past the maxima barrier, under P's computation (the rest follow P, before the P barrier); of
-# the second, those loaded under the first chunk's P.V (the rest once it is done). Each as many as ptxas (sm_90a,
-# 232 / 40) fits without spills: at 64 rows 3 tiles under P.V spill 4 bytes, and all 4 of the second chunk's
-# without the wait 32, beside O^T's 128 registers.
-PAIRS_VT_TILES_EARLY = {48: 4, 64: 4}
+# In the phase-after-phase form, the dim tiles of V^T of a pair's second chunk (8 registers a thread each) loaded
+# under the first chunk's P.V, by rows (the rest once it is done): as many as ptxas (sm_90a, 232 / 40) fits beside
+# O^T without spills (at 64 rows 3 spill 4 bytes, all 4 spill 32).
 PAIRS_VT_TILES_UNDER_PV = {48: 4, 64: 2}
 
 
@@ -289,16 +286,12 @@ class MLADecodePairsSM90(MLADecodeSM90):
         new0, new1, use0, use1, alpha0, alpha1 = self._exchange_maxima(cta, seg, acc_S, sMax, pr, m0, m1)
         # both chunks into this warpgroup's 256 dims (a missing second chunk: zero P against chunk c0's V^T). V^T of
         # the first is loaded here, past the maxima barrier (so both chunks' zeroed tails are visible), to run
-        # under P's exp2 and conversions, and the second's under P.V of the first (PAIRS_VT_TILES_*): ldmatrix
+        # under P's exp2 and conversions, and the second's under P.V of the first (PAIRS_VT_TILES_UNDER_PV): ldmatrix
         # takes the shared-memory pipe, which neither of those needs (both loads sat between the P barrier and
         # P.V, ~900 cycles of a ~4980-cycle pair at H128: experiments.md). The same arithmetic in the same order.
         stage0, stage1, has_c1 = self._pair_stages(cta, seg, pr)
-        stage0_addr = cta.ring_addr + stage0 * STAGE_BYTES
-        early = PAIRS_VT_TILES_EARLY[self.rows]
-        a0 = self._load_vt(stage0_addr, cta.wg * 4, cta.wl, cta.lane, early)
-        csum0, csum1 = self._publish_p(cta, acc_S, sPw, sAlpha, pr, use0, use1, alpha0, alpha1)
-        if cutlass.const_expr(early < 4):
-            a0 = a0 + self._load_vt(stage0_addr, cta.wg * 4 + early, cta.wl, cta.lane, 4 - early)
+        a0 = self._load_vt(cta.ring_addr + stage0 * STAGE_BYTES, cta.wg * 4, cta.wl, cta.lane)
+        csum0, csum1 = self._publish_p(cta, acc_S, sPw, sAlpha, use0, use1, alpha0, alpha1)
         self._pass_p_barrier(cta, pr)
         self._rescale_o(acc_O, sAlpha[None, cta.wg], cta.lt, self.cfg.unit_rescale_skip)
         p_addr = cta.storage.p.data_ptr().toint()
@@ -427,7 +420,7 @@ class MLADecodePairsSM90(MLADecodeSM90):
         """The softmax of this warpgroup's chunk of pair pr: `_exchange_maxima`, then `_publish_p`. Returns the
         rows' new maxima, alphas and this thread's sums of their p."""
         new0, new1, use0, use1, alpha0, alpha1 = self._exchange_maxima(cta, seg, acc_S, sMax, pr, m0, m1)
-        csum0, csum1 = self._publish_p(cta, acc_S, sPw, sAlpha, pr, use0, use1, alpha0, alpha1)
+        csum0, csum1 = self._publish_p(cta, acc_S, sPw, sAlpha, use0, use1, alpha0, alpha1)
         self._pass_p_barrier(cta, pr)
         return new0, new1, alpha0, alpha1, csum0, csum1
 
@@ -480,8 +473,8 @@ class MLADecodePairsSM90(MLADecodeSM90):
         return new0, new1, use0, use1, alpha0, alpha1
 
     @cute.jit
-    def _publish_p(self, cta: CTAContext, acc_S: cute.Tensor, sPw: cute.Tensor, sAlpha: cute.Tensor, pr: Int32,
-                   use0: Float32, use1: Float32, alpha0: Float32, alpha1: Float32):
+    def _publish_p(self, cta: CTAContext, acc_S: cute.Tensor, sPw: cute.Tensor, sAlpha: cute.Tensor, use0: Float32,
+                   use1: Float32, alpha0: Float32, alpha1: Float32):
         """The second half: P of this warpgroup's chunk into P buffer wg and the pair's alphas into sAlpha[:, wg]
         (none for S's padding rows), before the P barrier (`_pass_p_barrier`). Returns this thread's sums of its
         rows' p."""
