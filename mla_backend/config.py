@@ -83,6 +83,9 @@ DECODE_PARTS = ("load", "s", "store_s", "softmax", "rescale", "pv")
 # How the S^T-warpgroup schedule brings the KV chunks into shared memory: 16-byte cp.async by its 128 threads, or
 # TMA boxes issued by one thread and completed on per-stage mbarriers (`hopper/decode_swg_tma.py`).
 KV_LOADS = ("cp_async", "tma")
+# setmaxnreg budgets the chunk-pairs schedule's two MMA warpgroups may take (`DecodeConfig.mma_registers`): 232
+# leaves its load warpgroup 40 of a 384-thread launch's 3 x 168, 240 leaves it 24 (setmaxnreg's least)
+PAIRS_MMA_REGISTERS = (232, 240)
 # Where that TMA schedule waits S_FREE(j - 1) and issues chunk j + NS - 1: while S^T(j) runs (the default), or
 # after S^T(j) is stored and S_FULL(j) arrived (`decode_swg_tma.py`).
 KV_REFILLS = ("under_s", "after_store")
@@ -119,7 +122,11 @@ class DecodeConfig:
     unless asked otherwise) runs the chunk-pairs schedule (`hopper/decode_pairs.py`): S and the softmax in the P.V
     warpgroups' registers, two chunks a pair; `s_ahead` (research, 4 stages) issues each pair's S during the
     previous pair there, and `q_in_registers` there (48 rows) keeps Q's first 8 k32 steps in the MMA
-    warpgroups' registers (two S chains unless asked otherwise). `poison_smem` (a check for tests) sets
+    warpgroups' registers (two S chains unless asked otherwise); `p_exp2_fma` (research, 0-4) computes that many of
+    each 4 P values' exp2 by a polynomial on the FMA pipe (`ptx.exp2_fma`) instead of MUFU, and `mma_registers`
+    (research, PAIRS_MMA_REGISTERS) sets its MMA warpgroups' register budget; `own_chunk_first` (research) has each
+    warpgroup run P.V of its own chunk of a pair before the other's, ahead of the barrier on the other's P, and
+    `early_rescale` (research) rescales O^T before P is computed instead of after. `poison_smem` (a check for tests) sets
     every byte of the CTA's shared memory to 0xFF (NaN as e4m3, fp16 and fp32) before the kernel uses it: a read of
     shared memory that the launch did not write, whose value would otherwise be whatever the SM's previous kernel
     left there, then shows in the outputs. `skip` and `timeline` are research builds (benchmarks/): `skip` leaves
@@ -150,6 +157,10 @@ class DecodeConfig:
     q_in_registers: bool = False
     chunk_pairs: bool = False
     s_ahead: bool = False
+    p_exp2_fma: int = 0
+    mma_registers: int = 0
+    own_chunk_first: bool = False
+    early_rescale: bool = False
 
     def __post_init__(self):
         if self.page_size <= 0 or self.page_size & (self.page_size - 1):
@@ -206,6 +217,15 @@ class DecodeConfig:
         if self.s_ahead and self.num_stages < 4:
             # the next pair's chunks must land before this pair releases its own (`hopper/decode_pairs.py`)
             raise ValueError(f"s_ahead needs 4 ring stages (two pairs), got num_stages={self.num_stages}")
+        if not 0 <= self.p_exp2_fma <= 4 or (self.p_exp2_fma and not self.chunk_pairs):
+            raise ValueError(f"p_exp2_fma is 0 to 4 (of each 4 P values, those whose exp2 runs on the FMA pipe) in "
+                             f"the chunk_pairs schedule, got {self.p_exp2_fma}")
+        if self.mma_registers and (not self.chunk_pairs or self.mma_registers not in PAIRS_MMA_REGISTERS):
+            raise ValueError(f"mma_registers is one of {PAIRS_MMA_REGISTERS} (the chunk_pairs schedule's MMA "
+                             f"warpgroups' setmaxnreg budget; 0: the schedule's own), got {self.mma_registers}")
+        if (self.own_chunk_first or self.early_rescale) and (not self.chunk_pairs or self.s_ahead):
+            raise ValueError("own_chunk_first and early_rescale are orders of the chunk_pairs schedule's "
+                             "phase-after-phase form")
         unknown = set(self.skip) - set(DECODE_PARTS)
         if unknown:
             raise ValueError(f"skip names unknown parts {sorted(unknown)}; known: {', '.join(DECODE_PARTS)}")

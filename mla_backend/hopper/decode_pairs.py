@@ -76,10 +76,13 @@ from .barriers import PAIR_MAX_BAR, PAIR_P_BAR, PAIR_Q_BAR, PAIR_SUM_BAR, PAIR_W
 from .decode_common import CTAContext, MLADecodeSM90
 from .decode_layout import (CHUNK, KV_BLOCKS, SOFTMAX_THREADS, WARPGROUP, p_buffer_bytes, p_words_layout,
                             smem_region_bytes)
-from .ptx import (fence_operand, fence_proxy_async_smem, quantize_p_e4m3, quantize_p_hi_lo, wgmma_commit,
-                  wgmma_fence, wgmma_wait)
+from .ptx import (exp2_fma, fence_operand, fence_proxy_async_smem, quantize_p_e4m3, quantize_p_hi_lo,
+                  wgmma_commit, wgmma_fence, wgmma_wait)
 
 PAIRS_REGS_MMA, PAIRS_REGS_LOAD = 232, 40
+# A launch's registers a thread triple (3 x 168): what the MMA warpgroups' budget (`DecodeConfig.mma_registers`)
+# leaves the load warpgroup
+PAIRS_REGS_TRIPLE = 2 * PAIRS_REGS_MMA + PAIRS_REGS_LOAD
 STAGE_BYTES = CHUNK * 128 * KV_BLOCKS
 QUAD = 4  # the lanes of a quad hold one accumulator row
 S_ROWS = 64  # wgmma's M: S's rows, the block's (48 or 64) and zero padding
@@ -92,9 +95,11 @@ assert S_ROWS == CHUNK
 # with S ahead); at 64 rows (O^T 128) even 2 spill, 20 bytes (68 with S ahead).
 PAIRS_Q_STEPS_REGS = 8
 # In the phase-after-phase form, the dim tiles of V^T of a pair's second chunk (8 registers a thread each) loaded
-# under the first chunk's P.V, by rows (the rest once it is done): as many as ptxas (sm_90a, 232 / 40) fits beside
-# O^T without spills (at 64 rows 3 spill 4 bytes, all 4 spill 32).
-PAIRS_VT_TILES_UNDER_PV = {48: 4, 64: 2}
+# under the first chunk's P.V, by (rows, MMA warpgroups' registers, P planes) (the rest once it is done): as many
+# as ptxas (sm_90a) fits beside O^T without spills (at 64 rows and 232, 3 spill 4 bytes and all 4 spill 32; at 240
+# all 4 spill 32, and 3 with two P planes 8).
+PAIRS_VT_TILES_UNDER_PV = {(48, 232, 1): 4, (64, 232, 1): 2, (48, 240, 1): 4, (64, 240, 1): 3,
+                           (48, 232, 2): 4, (64, 232, 2): 2, (48, 240, 2): 4, (64, 240, 2): 2}
 
 
 class PairSegment:
@@ -121,7 +126,8 @@ class MLADecodePairsSM90(MLADecodeSM90):
 
     def register_budgets(self):
         """(P.V warpgroups, load warpgroup) setmaxnreg budgets."""
-        return PAIRS_REGS_MMA, PAIRS_REGS_LOAD
+        mma = self.cfg.mma_registers or PAIRS_REGS_MMA
+        return mma, PAIRS_REGS_TRIPLE - 2 * mma
 
     def smem_regions(self) -> dict:
         """As the other schedules', with Q padded to S's 64 rows and the S^T region holding only the two
@@ -290,21 +296,39 @@ class MLADecodePairsSM90(MLADecodeSM90):
         # takes the shared-memory pipe, which neither of those needs (both loads sat between the P barrier and
         # P.V, ~900 cycles of a ~4980-cycle pair at H128: experiments.md). The same arithmetic in the same order.
         stage0, stage1, has_c1 = self._pair_stages(cta, seg, pr)
-        a0 = self._load_vt(cta.ring_addr + stage0 * STAGE_BYTES, cta.wg * 4, cta.wl, cta.lane)
+        # own_chunk_first (research): this warpgroup's chunk first, whose P and alphas only it wrote, so that its
+        # P.V needs no wait for the other warpgroup and runs under the P barrier's wait; else chunk 2p first
+        first = cta.wg if self.cfg.own_chunk_first else 0
+        stage_a = stage0 + first * (stage1 - stage0)
+        stage_b = stage1 + first * (stage0 - stage1)
+        a0 = self._load_vt(cta.ring_addr + stage_a * STAGE_BYTES, cta.wg * 4, cta.wl, cta.lane)
+        if cutlass.const_expr(self.cfg.early_rescale):
+            # (research) the alphas first, past a barrier of this warpgroup alone, so that O^T's rescale (FMA pipe)
+            # runs beside P's exp2 (MUFU) instead of between the P barrier and P.V
+            self._publish_alphas(cta, sAlpha, alpha0, alpha1)
+            cute.arch.barrier(barrier_id=PAIR_WG_BAR + cta.wg, number_of_threads=WARPGROUP)
+            self._rescale_o(acc_O, sAlpha[None, cta.wg], cta.lt, self.cfg.unit_rescale_skip)
         csum0, csum1 = self._publish_p(cta, acc_S, sPw, sAlpha, use0, use1, alpha0, alpha1)
-        self._pass_p_barrier(cta, pr)
-        self._rescale_o(acc_O, sAlpha[None, cta.wg], cta.lt, self.cfg.unit_rescale_skip)
+        if cutlass.const_expr(self.cfg.own_chunk_first):
+            cute.arch.barrier(barrier_id=PAIR_WG_BAR + cta.wg, number_of_threads=WARPGROUP)
+        else:
+            self._pass_p_barrier(cta, pr)
+        if cutlass.const_expr(not self.cfg.early_rescale):
+            self._rescale_o(acc_O, sAlpha[None, cta.wg], cta.lt, self.cfg.unit_rescale_skip)
         p_addr = cta.storage.p.data_ptr().toint()
-        self._issue_pv_regs(acc_O, a0, p_addr, 0)
-        stage1_addr = cta.ring_addr + stage1 * STAGE_BYTES
-        under = PAIRS_VT_TILES_UNDER_PV[self.rows]
-        a1 = self._load_vt(stage1_addr, cta.wg * 4, cta.wl, cta.lane, under)
+        p_bytes = p_buffer_bytes(self.rows, self.cfg.p_planes)
+        self._issue_pv_regs(acc_O, a0, p_addr + first * p_bytes, 0)
+        stage_b_addr = cta.ring_addr + stage_b * STAGE_BYTES
+        under = PAIRS_VT_TILES_UNDER_PV[self.rows, self.register_budgets()[0], self.cfg.p_planes]
+        a1 = self._load_vt(stage_b_addr, cta.wg * 4, cta.wl, cta.lane, under)
+        if cutlass.const_expr(self.cfg.own_chunk_first):
+            self._pass_p_barrier(cta, pr)
         if cutlass.const_expr(under < 4):
             self._wait_mma(acc_O)
-            a1 = a1 + self._load_vt(stage1_addr, cta.wg * 4 + under, cta.wl, cta.lane, 4 - under)
+            a1 = a1 + self._load_vt(stage_b_addr, cta.wg * 4 + under, cta.wl, cta.lane, 4 - under)
         self._release_pair_stages(cta, stage0, stage1, has_c1)
         self._stamp(cta, lead, pr, 8 + 8 * cta.wg + 4)  # "V^T loaded" (the second chunk's)
-        self._issue_pv_regs(acc_O, a1, p_addr + p_buffer_bytes(self.rows, self.cfg.p_planes), 0)
+        self._issue_pv_regs(acc_O, a1, p_addr + (1 - first) * p_bytes, 0)
         self._stamp(cta, lead, pr, 8 + 8 * cta.wg + 5)  # "P.V issued"
         return new0, new1, l0 * alpha0 + csum0, l1 * alpha1 + csum1
 
@@ -485,10 +509,17 @@ class MLADecodePairsSM90(MLADecodeSM90):
         csum1 = Float32(0.0)
         if block_rows:
             csum0, csum1 = self._write_p(acc_S, sPw, cta.scale_log2, use0, use1, r0, lt, wg)
-        if lt == 0 and block_rows:
-            sAlpha[r0, wg] = alpha0
-            sAlpha[r0 + 8, wg] = alpha1
+        if cutlass.const_expr(not self.cfg.early_rescale):
+            self._publish_alphas(cta, sAlpha, alpha0, alpha1)
         return csum0, csum1
+
+    @cute.jit
+    def _publish_alphas(self, cta: CTAContext, sAlpha: cute.Tensor, alpha0: Float32, alpha1: Float32):
+        """This thread's rows' alphas into sAlpha[:, wg] (one thread a quad; none for S's padding rows)."""
+        r0 = 16 * cta.wl + cta.lg
+        if cta.lt == 0 and self._block_rows(cta):
+            sAlpha[r0, cta.wg] = alpha0
+            sAlpha[r0 + 8, cta.wg] = alpha1
 
     @cute.jit
     def _pass_p_barrier(self, cta: CTAContext, pr: Int32):
@@ -563,8 +594,11 @@ class MLADecodePairsSM90(MLADecodeSM90):
             for k in cutlass.range_constexpr(CHUNK // 16):
                 for h in cutlass.range_constexpr(2):
                     use = (use0 if h == 0 else use1) - shift
-                    pv = [cute.math.exp2(acc_S[8 * k + 2 * h + d] * scale_log2 - use, fastmath=True)
-                          for d in (0, 1, 4, 5)]
+                    # the last p_exp2_fma of the 4 on the FMA pipe (`DecodeConfig.p_exp2_fma`, research)
+                    n_mufu = 4 - self.cfg.p_exp2_fma
+                    pv = [cute.math.exp2(acc_S[8 * k + 2 * h + d] * scale_log2 - use, fastmath=True) if j < n_mufu
+                          else exp2_fma(acc_S[8 * k + 2 * h + d] * scale_log2 - use)
+                          for j, d in enumerate((0, 1, 4, 5))]
                     part = (pv[0] + pv[1]) + (pv[2] + pv[3])
                     if h == 0:
                         csum0 = csum0 + part

@@ -195,7 +195,12 @@ PAIRS = {"chunk_pairs": True}
     (128, 1, 64, {"s_ahead": True, "timeline": 0, "unit_rescale_skip": True}),
     # 48-row blocks (S's rows padded to 64), Q's first k32 steps in registers there
     (12, 8, 32, {}), (12, 4, 64, {"s_ahead": True, "p_planes": 2}), (16, 2, 32, {"rows_per_block": 48}),
-    (12, 8, 32, {"q_in_registers": True}), (12, 4, 64, {"q_in_registers": True, "s_ahead": True, "s_chains": 1})])
+    (12, 8, 32, {"q_in_registers": True}), (12, 4, 64, {"q_in_registers": True, "s_ahead": True, "s_chains": 1}),
+    # its research orders and budgets: P's exp2 partly on the FMA pipe, the own chunk's P.V first, the rescale
+    # before P, the MMA warpgroups at 240 registers
+    (128, 1, 64, {"p_exp2_fma": 2, "own_chunk_first": True, "early_rescale": True, "mma_registers": 240}),
+    (16, 4, 64, {"p_exp2_fma": 4, "p_planes": 2}), (12, 8, 32, {"p_exp2_fma": 1, "own_chunk_first": True}),
+    (12, 4, 64, {"early_rescale": True, "mma_registers": 240})])
 def test_chunk_pairs_builds_compile(heads, q_len, page_size, options):
     """The chunk-pairs schedule (`DecodeConfig.chunk_pairs`, research) compiles at 48 and 64 rows with 4 ring
     stages, for both P precisions, one or two S chains, half- and whole-chunk boxes, padding rows, S issued a pair
@@ -222,7 +227,8 @@ def test_chunk_pairs_builds_compile(heads, q_len, page_size, options):
 
 def test_chunk_pairs_is_checked():
     from mla_backend.config import decode_config
-    from mla_backend.hopper.decode_pairs import PAIRS_REGS_LOAD, PAIRS_REGS_MMA
+    from mla_backend.config import PAIRS_MMA_REGISTERS
+    from mla_backend.hopper.decode_pairs import PAIRS_REGS_LOAD, PAIRS_REGS_MMA, MLADecodePairsSM90
 
     for options in ({"rows_per_block": 32}, {"kv_loads": "cp_async"}, {"lazy_rescale": True},
                     {"pv_order": "per_tile"}, {"skip": frozenset({"store_s"})}):
@@ -250,6 +256,17 @@ def test_chunk_pairs_is_checked():
         page = options.pop("page_size", 64)
         assert decode_config(128, 1, page, **options).schedule == schedule, options
     assert 2 * PAIRS_REGS_MMA + PAIRS_REGS_LOAD == 3 * 168  # what a 384-thread launch gives each thread triple
+    for mma in PAIRS_MMA_REGISTERS:  # each budget leaves the load warpgroup a legal setmaxnreg count (>= 24, x 8)
+        mma_regs, load_regs = MLADecodePairsSM90(decode_config(128, 1, 64, mma_registers=mma)).register_budgets()
+        assert (mma_regs, 2 * mma_regs + load_regs) == (mma, 3 * 168) and load_regs >= 24 and load_regs % 8 == 0
+    for options, message in (({"p_exp2_fma": 5}, "p_exp2_fma is 0 to 4"),
+                             ({"p_exp2_fma": 1, "chunk_pairs": False}, "p_exp2_fma is 0 to 4"),
+                             ({"mma_registers": 248}, "mma_registers is one of"),
+                             ({"mma_registers": 240, "chunk_pairs": False}, "mma_registers is one of"),
+                             ({"own_chunk_first": True, "s_ahead": True}, "own_chunk_first and early_rescale are"),
+                             ({"early_rescale": True, "chunk_pairs": False}, "own_chunk_first and early_rescale are")):
+        with pytest.raises(ValueError, match=message):
+            decode_config(128, 1, 64, **options)
 
 
 def ptxas_path():
@@ -289,7 +306,11 @@ QREGS = {"q_in_registers": True}
     (16, 4, 64, None, 2, {**PAIRS, "s_ahead": True}), (12, 8, 32, None, 2, PAIRS),
     (12, 8, 32, None, 1, {**PAIRS, "s_ahead": True}), (12, 8, 32, None, 1, {**PAIRS, **QREGS}),
     (12, 8, 32, None, 2, {**PAIRS, **QREGS, "s_ahead": True}),
-    (12, 8, 32, None, 1, {**PAIRS, **QREGS, "s_ahead": True, "s_chains": 1})])
+    (12, 8, 32, None, 1, {**PAIRS, **QREGS, "s_ahead": True, "s_chains": 1}),
+    # its research orders and budgets
+    (128, 1, 64, 64, 1, {**PAIRS, "mma_registers": 240}),
+    (128, 1, 64, 64, 1, {**PAIRS, "p_exp2_fma": 2, "own_chunk_first": True, "early_rescale": True}),
+    (16, 4, 64, None, 2, {**PAIRS, "p_exp2_fma": 1, "mma_registers": 240, "early_rescale": True})])
 def test_no_spills(tmp_path, num_heads, q_len, page_size, rows, planes, options):
     ptxas = ptxas_path()
     assert ptxas, "ptxas (pip install 'cute-mla-fp8[test]' brings it) is needed: the spill check is part of the CPU suite"
@@ -387,6 +408,14 @@ GPU_CASES = [
     (12, 8, 32, 64, True, [8, 9, 100, 1000, 4000, 65], 9, {**PAIRS, "s_ahead": True}),
     (12, 4, 64, 64, True, [4, 5, 64, 1500, 77, 3000], 7, {**PAIRS, "p_planes": 1}),
     (16, 2, 32, 32, True, [2, 63, 64, 65, 1500], 6, {**ROWS_48, **PAIRS}),
+    # its research orders and budgets: P's exp2 on the FMA pipe (some or all), the own chunk's P.V first, the
+    # rescale before P, the MMA warpgroups at 240 registers (3 of the second chunk's V^T tiles under P.V)
+    (128, 1, 64, 64, True, [1, 700, 3000, 64], 8, {**PAIRS, "p_exp2_fma": 4}),
+    (64, 1, 64, 64, False, [1, 65, 129, 200, 64, 3, 1000, 4000, 130, 191, 257, 0], 5,
+     {**PAIRS, "p_exp2_fma": 1, "own_chunk_first": True, "p_planes": 1}),
+    (16, 4, 64, 32, True, [4, 5, 64, 1500, 77], 9, {**PAIRS, "early_rescale": True, "mma_registers": 240}),
+    (12, 8, 32, 64, True, [8, 9, 100, 1000, 4000, 65], 9,
+     {**PAIRS, "own_chunk_first": True, "early_rescale": True, "p_exp2_fma": 2}),
     # 48-row blocks with Q's first 8 k32 steps in the MMA warpgroups' registers
     (12, 8, 32, 64, True, [8, 9, 100, 1000, 4000, 65], 9, {**PAIRS, "q_in_registers": True}),
     (12, 4, 64, 64, True, [4, 5, 64, 1500, 77, 3000], 7, {**PAIRS, "q_in_registers": True, "s_ahead": True}),
@@ -419,6 +448,31 @@ def _decode_merged(cfg, q, kv, bt, seq, softmax_scale, qs, ks, plan):
 def _options_id(options) -> str:
     """A case's kernel options in its test id (`-k chunk_pairs` selects those cases): 'default' or k=v+k=v."""
     return "+".join(f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in options.items()) or "default"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("options", [{}, {"p_exp2_fma": 4}], ids=_options_id)
+def test_nan_in_the_kv_reaches_its_rows_gpu(options):
+    """A NaN in one token's latent is NaN in every output row and lse of its request (each row's S of that token
+    is NaN, and so its p, whichever pipe takes the exp2: `p_exp2_fma=4` takes them all on the FMA pipe), never an
+    empty or finite row; the other request's rows stay finite."""
+    sys.path.insert(0, os.path.join(REPO, "tests"))
+    from mla_inputs import make_decode_inputs
+
+    from mla_backend.config import decode_config
+    from mla_backend.plan import plan_splits
+
+    q, kv, bt, seq, qs, ks = make_decode_inputs([700, 300], q_len=1, num_heads=128, page_size=64, device="cuda",
+                                                seed=3)
+    kv = kv.float()
+    kv[int(bt[0, 3]), 5, 100] = float("nan")  # token 197 of request 0
+    kv = kv.to(torch.float8_e4m3fn)
+    plan = plan_splits(seq, q_len=1, num_heads=128, page_size=64, num_ctas=4)
+    cfg = decode_config(128, 1, 64, **options)
+    assert cfg.chunk_pairs
+    out, lse = _decode_merged(cfg, q, kv, bt, seq, 576 ** -0.5, qs, ks, plan)
+    assert torch.isnan(out[0].float()).all() and torch.isnan(lse[0]).all()
+    assert torch.isfinite(out[1].float()).all() and torch.isfinite(lse[1]).all()
 
 
 @pytest.mark.gpu
