@@ -126,7 +126,8 @@ class DecodeConfig:
     each 4 P values' exp2 by a polynomial on the FMA pipe (`ptx.exp2_fma`) instead of MUFU, and `mma_registers`
     (research, PAIRS_MMA_REGISTERS) sets its MMA warpgroups' register budget; `own_chunk_first` (research) has each
     warpgroup run P.V of its own chunk of a pair before the other's, ahead of the barrier on the other's P, and
-    `early_rescale` (research) rescales O^T before P is computed instead of after. `poison_smem` (a check for tests) sets
+    `early_rescale` (the phase-after-phase form's default with one P plane, `default_early_rescale`) rescales O^T
+    beside P's exp2 instead of after the P barrier. `poison_smem` (a check for tests) sets
     every byte of the CTA's shared memory to 0xFF (NaN as e4m3, fp16 and fp32) before the kernel uses it: a read of
     shared memory that the launch did not write, whose value would otherwise be whatever the SM's previous kernel
     left there, then shows in the outputs. `skip` and `timeline` are research builds (benchmarks/): `skip` leaves
@@ -299,6 +300,15 @@ def default_chunk_pairs(rows_per_block: int, kv_loads: str, pv_order: Optional[s
             and "store_s" not in research.get("skip", ()))
 
 
+def default_early_rescale(research: dict, p_planes: int) -> bool:
+    """O^T rescaled beside P's exp2 (`DecodeConfig.early_rescale`) wherever the chunk-pairs schedule runs phase
+    after phase with one P plane: the same arithmetic in the same order (outputs bit-identical), off the chain
+    between the P barrier and P.V. H200, decode alone, one process, 3 rounds, medians (minimums): H128 q1 page 64
+    128K x B4 178.1 (174.8) -> 169.5 (168.5) us, H64 1M x B2 386.4 (310.0) -> 326.7 (301.2), H16 q4 1M x B2 348.4
+    (315.2) -> 337.7 (305.9). With two P planes (`fp8x2`) ptxas spills 36 bytes for it at 64 rows."""
+    return bool(research.get("chunk_pairs")) and not research.get("s_ahead") and p_planes == 1
+
+
 def p_planes_for(p_precision: str, rows_per_block: int) -> int:
     """e4m3 planes of P for a precision mode: one only where it is faster, above 16 rows (see P_PRECISIONS)."""
     check_p_precision(p_precision)
@@ -325,6 +335,8 @@ def decode_config(num_heads: int, q_len: int, page_size: int, *, tile_tokens: in
         research = {"s_chains": 1, **research}  # one chain leaves the most of Q in registers
     if research.get("chunk_pairs") and num_stages is None:
         num_stages = 4  # one pair computed while the next lands (`hopper/decode_pairs.py`)
+    if "early_rescale" not in research:
+        research = {**research, "early_rescale": default_early_rescale(research, p_planes)}
     return DecodeConfig(num_heads=num_heads, q_len=q_len, page_size=page_size, tile_tokens=tile_tokens,
                         causal=bool(causal), rows_per_block=rows,
                         num_stages=default_num_stages(rows) if num_stages is None else num_stages,

@@ -197,10 +197,10 @@ PAIRS = {"chunk_pairs": True}
     (12, 8, 32, {}), (12, 4, 64, {"s_ahead": True, "p_planes": 2}), (16, 2, 32, {"rows_per_block": 48}),
     (12, 8, 32, {"q_in_registers": True}), (12, 4, 64, {"q_in_registers": True, "s_ahead": True, "s_chains": 1}),
     # its research orders and budgets: P's exp2 partly on the FMA pipe, the own chunk's P.V first, the rescale
-    # before P, the MMA warpgroups at 240 registers
+    # after the P barrier (early_rescale=False; beside P is the default), the MMA warpgroups at 240 registers
     (128, 1, 64, {"p_exp2_fma": 2, "own_chunk_first": True, "early_rescale": True, "mma_registers": 240}),
     (16, 4, 64, {"p_exp2_fma": 4, "p_planes": 2}), (12, 8, 32, {"p_exp2_fma": 1, "own_chunk_first": True}),
-    (12, 4, 64, {"early_rescale": True, "mma_registers": 240})])
+    (12, 4, 64, {"early_rescale": False, "mma_registers": 240})])
 def test_chunk_pairs_builds_compile(heads, q_len, page_size, options):
     """The chunk-pairs schedule (`DecodeConfig.chunk_pairs`, research) compiles at 48 and 64 rows with 4 ring
     stages, for both P precisions, one or two S chains, half- and whole-chunk boxes, padding rows, S issued a pair
@@ -256,6 +256,13 @@ def test_chunk_pairs_is_checked():
         page = options.pop("page_size", 64)
         assert decode_config(128, 1, page, **options).schedule == schedule, options
     assert 2 * PAIRS_REGS_MMA + PAIRS_REGS_LOAD == 3 * 168  # what a 384-thread launch gives each thread triple
+    # the phase-after-phase form rescales O^T beside P's exp2 unless told otherwise (S ahead has no such order)
+    assert [decode_config(h, q, 64).early_rescale for h, q in ((128, 1), (16, 4), (12, 8), (16, 2))] == [
+        True, True, False, False]
+    assert not decode_config(128, 1, 64, s_ahead=True).early_rescale
+    assert not decode_config(128, 1, 64, early_rescale=False).early_rescale
+    assert not decode_config(128, 1, 64, chunk_pairs=False).early_rescale
+    assert not decode_config(128, 1, 64, p_planes=2).early_rescale  # ptxas spills for it beside two P planes
     for mma in PAIRS_MMA_REGISTERS:  # each budget leaves the load warpgroup a legal setmaxnreg count (>= 24, x 8)
         mma_regs, load_regs = MLADecodePairsSM90(decode_config(128, 1, 64, mma_registers=mma)).register_budgets()
         assert (mma_regs, 2 * mma_regs + load_regs) == (mma, 3 * 168) and load_regs >= 24 and load_regs % 8 == 0
@@ -409,11 +416,12 @@ GPU_CASES = [
     (12, 4, 64, 64, True, [4, 5, 64, 1500, 77, 3000], 7, {**PAIRS, "p_planes": 1}),
     (16, 2, 32, 32, True, [2, 63, 64, 65, 1500], 6, {**ROWS_48, **PAIRS}),
     # its research orders and budgets: P's exp2 on the FMA pipe (some or all), the own chunk's P.V first, the
-    # rescale before P, the MMA warpgroups at 240 registers (3 of the second chunk's V^T tiles under P.V)
+    # rescale after the P barrier (early_rescale=False), the MMA warpgroups at 240 registers (3 of the second
+    # chunk's V^T tiles under P.V)
     (128, 1, 64, 64, True, [1, 700, 3000, 64], 8, {**PAIRS, "p_exp2_fma": 4}),
     (64, 1, 64, 64, False, [1, 65, 129, 200, 64, 3, 1000, 4000, 130, 191, 257, 0], 5,
      {**PAIRS, "p_exp2_fma": 1, "own_chunk_first": True, "p_planes": 1}),
-    (16, 4, 64, 32, True, [4, 5, 64, 1500, 77], 9, {**PAIRS, "early_rescale": True, "mma_registers": 240}),
+    (16, 4, 64, 32, True, [4, 5, 64, 1500, 77], 9, {**PAIRS, "early_rescale": False, "mma_registers": 240}),
     (12, 8, 32, 64, True, [8, 9, 100, 1000, 4000, 65], 9,
      {**PAIRS, "own_chunk_first": True, "early_rescale": True, "p_exp2_fma": 2}),
     # 48-row blocks with Q's first 8 k32 steps in the MMA warpgroups' registers
@@ -504,6 +512,29 @@ def test_matches_reference_gpu(num_heads, q_len, page_size, tile_tokens, causal,
             torch.testing.assert_close(got_out[b], ref_out[b].float(), atol=2e-2, rtol=2e-2)
         else:  # one e4m3 plane: e4m3's own rounding of P (test_mla_decode_gpu.TOLERANCES)
             assert relative_l2_error(got_out[b], ref_out[b]) < 3e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_heads,q_len,page_size,options", [(128, 1, 64, {}), (16, 4, 64, {"s_chains": 1}),
+                                                               (12, 8, 32, PAIRS)])
+def test_early_rescale_changes_no_bit_gpu(num_heads, q_len, page_size, options):
+    """O^T rescaled beside P's exp2 (`early_rescale`, the chunk-pairs default) instead of after the P barrier
+    multiplies the same values by the same alphas: every output and lse bit equals the other order's."""
+    sys.path.insert(0, os.path.join(REPO, "tests"))
+    from mla_inputs import make_decode_inputs
+
+    from mla_backend.config import decode_config
+    from mla_backend.plan import plan_splits
+
+    lengths = [1, 700, 3000, 64, 20000]
+    q, kv, bt, seq, qs, ks = make_decode_inputs(lengths, q_len=q_len, num_heads=num_heads, page_size=page_size,
+                                                device="cuda", seed=13)
+    plan = plan_splits(seq, q_len=q_len, num_heads=num_heads, page_size=page_size, num_ctas=12)
+    early, late = (decode_config(num_heads, q_len, page_size, early_rescale=e, **options) for e in (True, False))
+    assert early.chunk_pairs and late.chunk_pairs
+    for a, b in zip(_decode_launch(early, q, kv, bt, seq, 576 ** -0.5, qs, ks, plan),
+                    _decode_launch(late, q, kv, bt, seq, 576 ** -0.5, qs, ks, plan)):
+        assert _same_bits(a, b)
 
 
 @pytest.mark.gpu
