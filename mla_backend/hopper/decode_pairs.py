@@ -502,9 +502,9 @@ class MLADecodePairsSM90(MLADecodeSM90):
     @cute.jit
     def _publish_p(self, cta: CTAContext, acc_S: cute.Tensor, sPw: cute.Tensor, sAlpha: cute.Tensor, use0: Float32,
                    use1: Float32, alpha0: Float32, alpha1: Float32):
-        """The second half: P of this warpgroup's chunk into P buffer wg and the pair's alphas into sAlpha[:, wg]
-        (none for S's padding rows), before the P barrier (`_pass_p_barrier`). Returns this thread's sums of its
-        rows' p."""
+        """The second half: P of this warpgroup's chunk into P buffer wg and, unless `early_rescale` published
+        them before, the pair's alphas into sAlpha[:, wg] (none for S's padding rows), before the P barrier
+        (`_pass_p_barrier`). Returns this thread's sums of its rows' p."""
         wg, lt = cta.wg, cta.lt
         r0 = 16 * cta.wl + cta.lg
         block_rows = self._block_rows(cta)
@@ -591,14 +591,13 @@ class MLADecodePairsSM90(MLADecodeSM90):
         # p * p_scale = exp2(s x scale_log2 - max + log2(p_scale)), one FMA and the exp2: P's scale inside the exp2
         # (p_scale is a power of two), so the sums are in units of p_scale too (`_end_segment` takes it out)
         shift = math.log2(self.cfg.p_scale)
+        n_mufu = 4 - self.cfg.p_exp2_fma  # of each 4 values, the rest on the FMA pipe (`p_exp2_fma`, research)
         csum0 = Float32(0.0)
         csum1 = Float32(0.0)
         if cutlass.const_expr(self.cfg.runs("softmax")):  # else a research build: P is not written
             for k in cutlass.range_constexpr(CHUNK // 16):
                 for h in cutlass.range_constexpr(2):
                     use = (use0 if h == 0 else use1) - shift
-                    # the last p_exp2_fma of the 4 on the FMA pipe (`DecodeConfig.p_exp2_fma`, research)
-                    n_mufu = 4 - self.cfg.p_exp2_fma
                     pv = [cute.math.exp2(acc_S[8 * k + 2 * h + d] * scale_log2 - use, fastmath=True) if j < n_mufu
                           else exp2_fma(acc_S[8 * k + 2 * h + d] * scale_log2 - use)
                           for j, d in enumerate((0, 1, 4, 5))]

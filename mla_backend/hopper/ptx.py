@@ -13,6 +13,7 @@ kernel addresses its FP8 tiles itself and uses these primitives:
   (128B-swizzled K-major) or A in registers (B in the no-swizzle K-major core-matrix layout), plus the fences,
   commit and wait around them; `wgmma_ss_e4m3_desc` takes the operands' descriptor words (`smem_desc_lo`), made
   once and stepped by a schedule.
+- `exp2_fma`: 2^x by a polynomial on the FMA pipe, for P values taken off MUFU (`DecodeConfig.p_exp2_fma`).
 - `cp_async_16_l2_128`: a 16-byte cp.async with the L2::128B prefetch hint, which CuTe's copy atom cannot express.
 - `sm_clock` / `store_global_u32`: the SM's cycle counter and a plain global store, for the timeline builds of the
   decode (config.DecodeConfig.timeline); `store_shared_v2_f32`: an 8-byte shared store of two floats.
