@@ -17,6 +17,8 @@ done" includes that issue. `--variant SPEC` stamps a configuration with override
 
 The chunk-pairs schedule (`--variant chunk_pairs=1`, research) stamps its load warpgroup per chunk and its MMA
 warpgroups per pair of chunks (`P_EVENTS_OF`): the pairs [F, F + TIMELINE_CHUNKS), which are chunks [2F, 2F + 80).
+With P.V a pair behind (`--variant pv_behind=N`) a pair's "V^T loaded" and "P.V issued" are those of the previous
+pair's P.V, whose last unit it issues between its P's words.
 
 `--compile-only` compiles the builds and stops, also without a GPU (bench_decode_kernel.py says what it is for).
 `--cta` and `--row-block` read another stamped CTA; `--first-chunk F` stamps chunks [F, F + TIMELINE_CHUNKS)

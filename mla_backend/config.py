@@ -127,7 +127,10 @@ class DecodeConfig:
     (research, PAIRS_MMA_REGISTERS) sets its MMA warpgroups' register budget; `own_chunk_first` (research) has each
     warpgroup run P.V of its own chunk of a pair before the other's, ahead of the barrier on the other's P, and
     `early_rescale` (the phase-after-phase form's default with one P plane, `default_early_rescale`) rescales O^T
-    beside P's exp2 instead of after the P barrier. `poison_smem` (a check for tests) sets
+    beside P's exp2 instead of after the P barrier; `pv_behind` (research, 1-4; one P plane, 4 stages) runs each
+    pair's P.V during the next pair, a dim tile of a chunk at a time between its P's words with at most that many
+    in flight, so that the tensor pipe has work while the softmax runs (the same arithmetic in the same order).
+    `poison_smem` (a check for tests) sets
     every byte of the CTA's shared memory to 0xFF (NaN as e4m3, fp16 and fp32) before the kernel uses it: a read of
     shared memory that the launch did not write, whose value would otherwise be whatever the SM's previous kernel
     left there, then shows in the outputs. `skip` and `timeline` are research builds (benchmarks/): `skip` leaves
@@ -162,6 +165,7 @@ class DecodeConfig:
     mma_registers: int = 0
     own_chunk_first: bool = False
     early_rescale: bool = False
+    pv_behind: int = 0
 
     def __post_init__(self):
         if self.page_size <= 0 or self.page_size & (self.page_size - 1):
@@ -227,6 +231,15 @@ class DecodeConfig:
         if (self.own_chunk_first or self.early_rescale) and (not self.chunk_pairs or self.s_ahead):
             raise ValueError("own_chunk_first and early_rescale are orders of the chunk_pairs schedule's "
                              "phase-after-phase form")
+        if not 0 <= self.pv_behind <= 4:
+            raise ValueError(f"pv_behind is 0 (off) or 1 to 4 (P.V units in flight under the softmax), got "
+                             f"{self.pv_behind}")
+        if self.pv_behind and (not self.chunk_pairs or self.s_ahead or self.own_chunk_first or self.early_rescale
+                               or self.p_planes != 1 or self.num_stages < 4):
+            # 4 stages: a pair's chunks are read by its P.V during the next pair, whose own chunks must be loaded
+            # meanwhile; one plane: the P buffers of two pairs (`hopper/decode_pairs.py`)
+            raise ValueError("pv_behind is a form of the chunk_pairs schedule with one P plane and 4 ring stages, "
+                             "without s_ahead, own_chunk_first or early_rescale")
         unknown = set(self.skip) - set(DECODE_PARTS)
         if unknown:
             raise ValueError(f"skip names unknown parts {sorted(unknown)}; known: {', '.join(DECODE_PARTS)}")
@@ -305,8 +318,10 @@ def default_early_rescale(research: dict, p_planes: int) -> bool:
     after phase with one P plane: the same arithmetic in the same order (outputs bit-identical), off the chain
     between the P barrier and P.V. H200, decode alone, one process, 3 rounds, medians (minimums): H128 q1 page 64
     128K x B4 178.1 (174.8) -> 169.5 (168.5) us, H64 1M x B2 386.4 (310.0) -> 326.7 (301.2), H16 q4 1M x B2 348.4
-    (315.2) -> 337.7 (305.9). With two P planes (`fp8x2`) ptxas spills 36 bytes for it at 64 rows."""
-    return bool(research.get("chunk_pairs")) and not research.get("s_ahead") and p_planes == 1
+    (315.2) -> 337.7 (305.9). With two P planes (`fp8x2`) ptxas spills 36 bytes for it at 64 rows. The forms with S
+    a pair ahead or P.V a pair behind have orders of their own."""
+    return (bool(research.get("chunk_pairs")) and not research.get("s_ahead") and not research.get("pv_behind")
+            and p_planes == 1)
 
 
 def p_planes_for(p_precision: str, rows_per_block: int) -> int:

@@ -56,9 +56,9 @@ def p_buffer_bytes(rows: int, planes: int) -> int:
     return planes * rows * CHUNK
 
 
-def p_words_layout(rows: int, planes: int):
+def p_words_layout(rows: int, planes: int, buffers: int = 2):
     """P words: (word w of a row = tokens pi(4w .. 4w + 3), row, plane, buffer) as Int32, core-matrix layout."""
-    return cute.make_layout(((4, 4), (8, rows // 8), planes, 2),
+    return cute.make_layout(((4, 4), (8, rows // 8), planes, buffers),
                             stride=((1, P_LBO // 4), (4, P_SBO // 4), rows * 16, planes * rows * 16))
 
 

@@ -21,7 +21,7 @@ softmax reads none, and one rescale serves two chunks. Per chunk that moves ~176
 36 KB landing, S's 72 KB of operands, V^T's 32 KB, P^T's 32 KB as P.V's B operand, P's 4 KB) against ~208 KB in the
 S^T-warpgroup schedule.
 
-Two forms (`DecodeConfig.s_ahead`):
+Three forms (`DecodeConfig.s_ahead`, `DecodeConfig.pv_behind`):
 - phase after phase (the default of the switch): S(p), the softmax and the exchanges, then P.V of both chunks,
   V^T of the first loaded under P's computation and of the second under the first's P.V (`_pair`); S(p + 1) is
   issued once P.V(p) is done (its 64 accumulators do not fit beside O^T and V^T), so the tensor pipe idles
@@ -31,6 +31,12 @@ Two forms (`DecodeConfig.s_ahead`):
   rows the second chunk's V^T loads under the first's P.V), and S(p + 1)'s second chain is issued once P.V(p) is
   done. The same arithmetic in the same order: the outputs are bit-identical to the first form's. Its chain's
   registers keep V^T's loads after the P barrier, and it measured slower than the first form (experiments.md).
+- P.V a pair behind (research, one P plane): P.V of pair p - 1 is issued during pair p, a dim tile of a chunk at a
+  time (its V^T's 8 registers and 2 wgmmas, a commit group each; one before the maxima barrier, the others between
+  P's words, at most `pv_behind` in flight), so that the tensor pipe runs it while the softmax of pair p does not
+  need it; once it is done O^T is rescaled for pair p (`_pair_pv_behind`). O^T += P.V(p - 1), O^T *= alpha(p) is
+  the first form's order one pair later. P is double-buffered by pair, and a pair's stages are released during
+  the next pair, as its P.V loads their V^T: the load of pair p + 1 then has less than a pair to land.
 
 The third warpgroup only loads. Its warp 0 issues each chunk's TMA boxes onto the stage's "landed" mbarrier once
 the stage's "read" mbarrier says both P.V warpgroups are done with the chunk it held (every thread of both
@@ -57,8 +63,9 @@ stage address and S's descriptors live in uniform registers and each k32 step mo
 P's exp2 through one FMA. ptxas's pair loop (H128, one plane): 878 instructions a warp, both softmax paths counted.
 
 Registers (setmaxnreg): 232 for the P.V warpgroups (at 64 rows O^T 128 beside S's two chains, or both chunks' V^T,
-or with S ahead one chain, one chunk's V^T and the softmax's values; O^T 96 at 48 rows) and 40 for the load
-warpgroup, the 3 x 168 a 384-thread launch gives each thread triple.
+or with S ahead one chain, one chunk's V^T and the softmax's values, or with P.V behind S summed beside up to 4
+dim tiles' V^T; O^T 96 at 48 rows) and 40 for the load warpgroup, the 3 x 168 a 384-thread launch gives each
+thread triple.
 
 On the H200 (experiments.md) the phase-after-phase form at 64 rows takes 0.81-0.87 of the S^T-warpgroup
 schedule's time (H128, H64, H16 q_len 4) and at 48 rows 1.11-1.15; ncu at H128 puts the shared-memory pipe at ~52%
@@ -102,11 +109,17 @@ PAIRS_Q_STEPS_REGS = 8
 # all 4 spill 32, and 3 with two P planes 8).
 PAIRS_VT_TILES_UNDER_PV = {(48, 232, 1): 4, (64, 232, 1): 2, (48, 240, 1): 4, (64, 240, 1): 3,
                            (48, 232, 2): 4, (64, 232, 2): 2, (48, 240, 2): 4, (64, 240, 2): 2}
+# With P.V a pair behind (`DecodeConfig.pv_behind`: at most that many of its units, a dim tile of a chunk each with
+# 8 V^T registers a thread, in flight; a new one first waits for the rest to drop below it), the units issued before
+# the maxima barrier: 2 there make ptxas serialise the wgmmas at 64 rows (C7512, too few registers), 1 leaves it
+# clean with up to 4 in flight
+PV_UNITS_BEFORE_MAXIMA = 1
+PV_UNITS = 8  # a pair's P.V for this warpgroup's 4 dim tiles: 2 chunks x 4 tiles
 
 
 class PairSegment:
     """What a segment's pairs read: the CTA's chunks before it (`done`), its chunks and tokens, and the ends of
-    this thread's two rows' tokens (causal)."""
+    this thread's two rows' tokens (causal); also what a pending P.V reads (`_pending_pv`)."""
 
     def __init__(self, **values):
         self.__dict__.update(values)
@@ -137,7 +150,14 @@ class MLADecodePairsSM90(MLADecodeSM90):
         regions = smem_region_bytes(self.rows, self.cfg.num_stages, self.cfg.p_planes)
         regions["q"] = S_ROWS * 128 * KV_BLOCKS
         regions["s"] = 2 * self.rows * 4
+        regions["p"] = self.p_buffers * p_buffer_bytes(self.rows, self.cfg.p_planes)
         return regions
+
+    @property
+    def p_buffers(self) -> int:
+        """P buffers of a chunk each: a pair's two, or with P.V a pair behind two pairs' (`pv_behind`): the P a
+        pair's softmax writes while the previous pair's P.V reads its own."""
+        return 4 if self.cfg.pv_behind else 2
 
     @cute.jit
     def _schedule(self, cta: CTAContext):
@@ -226,7 +246,7 @@ class MLADecodePairsSM90(MLADecodeSM90):
         NT = self.num_threads
         r0 = 16 * cta.wl + cta.lg  # this thread's accumulator rows of S: r0 and r0 + 8
         sPw = cute.make_tensor(cute.recast_ptr(cta.storage.p.data_ptr(), dtype=Int32),
-                               p_words_layout(ROWS, self.cfg.p_planes))
+                               p_words_layout(ROWS, self.cfg.p_planes, self.p_buffers))
         sMax = cta.storage.s.get_tensor(cute.make_layout((ROWS, 2), stride=(1, ROWS)))
         sAlpha = cta.storage.alpha.get_tensor(cute.make_layout((ROWS, 2), stride=(1, ROWS)))
         sSum = cta.storage.row_ml.get_tensor(cute.make_layout((ROWS,)))
@@ -265,6 +285,19 @@ class MLADecodePairsSM90(MLADecodeSM90):
                     m0, m1, l0, l1 = self._pair_s_ahead(cta, seg, acc_O, acc_S, acc_A, acc_B, q_regs, sPw, sMax,
                                                         sAlpha, pr, m0, m1, l0, l1)
                 wgmma_wait(0)  # the S issued past the last pair (all masked, on Q) is done with sQ
+            elif cutlass.const_expr(self.cfg.pv_behind):
+                # pair 0 has no P.V before it: peeled, so that no wgmma is issued under a branch inside the loop
+                if n_pairs > 0:
+                    m0, m1, l0, l1 = self._pair_pv_behind(cta, seg, acc_O, acc_S, acc_A, acc_B, q_regs, sPw, sMax,
+                                                          sAlpha, Int32(0), m0, m1, l0, l1, False)
+                for pr in range(1, n_pairs):
+                    m0, m1, l0, l1 = self._pair_pv_behind(cta, seg, acc_O, acc_S, acc_A, acc_B, q_regs, sPw, sMax,
+                                                          sAlpha, pr, m0, m1, l0, l1, True)
+                if n_pairs > 0:  # the last pair's P.V
+                    pending = self._pending_pv(cta, seg, n_pairs - 1)
+                    for u in cutlass.range_constexpr(PV_UNITS):
+                        self._pv_behind_unit(cta, acc_O, pending, u)
+                    self._wait_mma(acc_O)  # inside the branch: no wgmma in flight where its paths join
             else:
                 for pr in range(n_pairs):
                     m0, m1, l0, l1 = self._pair(cta, seg, acc_O, acc_S, acc_A, acc_B, q_regs, sPw, sMax, sAlpha,
@@ -381,6 +414,80 @@ class MLADecodePairsSM90(MLADecodeSM90):
         if cutlass.const_expr(two):
             self._issue_s(acc_B, k_next, cta.q_addr, half, half, True, stepped_descriptors=True)
         return new0, new1, l0 * alpha0 + csum0, l1 * alpha1 + csum1
+
+    @cute.jit
+    def _pair_pv_behind(self, cta: CTAContext, seg, acc_O: cute.Tensor, acc_S: cute.Tensor, acc_A: cute.Tensor,
+                        acc_B: cute.Tensor, q_regs: cute.Tensor, sPw: cute.Tensor, sMax: cute.Tensor,
+                        sAlpha: cute.Tensor, pr: Int32, m0: Float32, m1: Float32, l0: Float32, l1: Float32,
+                        behind: cutlass.Constexpr):
+        """Pair pr with P.V a pair behind (`DecodeConfig.pv_behind`): S and the softmax of this warpgroup's chunk,
+        with P.V of pair pr - 1 (behind) issued a dim tile of a chunk at a time between P's words, so that the
+        tensor pipe runs it while the softmax does not need it; then, once it is done, O^T's rescale for pair pr
+        (whose P.V the next pair issues). O^T += P.V(pr - 1) followed by O^T *= alpha(pr) is the other forms'
+        O^T *= alpha(pr - 1) followed by O^T += P.V(pr - 1), one pair later: the same operations on the same
+        values. Returns as `_pair`."""
+        lead = cta.tidx % WARPGROUP == 0
+        k_base = self._own_chunk_k_base(cta, seg, 2 * pr + cta.wg)
+        self._stamp(cta, lead, pr, 8 + 8 * cta.wg + 0)  # "chunk landed"
+        self._issue_qk_chains(acc_A, acc_B, q_regs, k_base, cta.q_addr)
+        self._sum_qk_chains(acc_S, acc_A, acc_B)
+        self._stamp(cta, lead, pr, 8 + 8 * cta.wg + 1)  # "S done"
+        pending = None
+        if cutlass.const_expr(behind):
+            # the first units run under the masking, the maxima and their barrier
+            pending = self._pending_pv(cta, seg, pr - 1)
+            for u in cutlass.range_constexpr(PV_UNITS_BEFORE_MAXIMA):
+                self._pv_behind_unit(cta, acc_O, pending, u)
+        new0, new1, use0, use1, alpha0, alpha1 = self._exchange_maxima(cta, seg, acc_S, sMax, pr, m0, m1)
+        self._publish_alphas(cta, sAlpha, alpha0, alpha1)
+        # the rest between P's words: after word i, unit i + PV_UNITS_BEFORE_MAXIMA. S's padding rows (48-row
+        # blocks) compute their (zero) P without storing it, so that every warp issues the same wgmmas
+        between = (lambda i: self._pv_behind_unit(cta, acc_O, pending, i + PV_UNITS_BEFORE_MAXIMA)) if behind \
+            else None
+        csum0, csum1 = self._write_p(acc_S, sPw, cta.scale_log2, use0, use1, 16 * cta.wl + cta.lg, cta.lt,
+                                     cta.wg + 2 * (pr % 2), between, self._block_rows(cta))
+        # P.V(pr - 1) done: O^T may be rescaled (its rows' alphas, written by other threads of the warpgroup)
+        self._wait_mma(acc_O)
+        cute.arch.barrier(barrier_id=PAIR_WG_BAR + cta.wg, number_of_threads=WARPGROUP)
+        self._rescale_o(acc_O, sAlpha[None, cta.wg], cta.lt, self.cfg.unit_rescale_skip)
+        self._pass_p_barrier(cta, pr)
+        return new0, new1, l0 * alpha0 + csum0, l1 * alpha1 + csum1
+
+    @cute.jit
+    def _pending_pv(self, cta: CTAContext, seg, pr: Int32):
+        """What P.V of pair pr reads when it runs a pair behind: its chunks' stages (landed: the waits return) and
+        its P buffers (2 (pr % 2) and + 1); its timeline stamps are those of pair pr + 1, which issues it."""
+        stage0, stage1, has_c1 = self._pair_stages(cta, seg, pr)
+        p_bytes = p_buffer_bytes(self.rows, self.cfg.p_planes)
+        p_addr = cta.storage.p.data_ptr().toint() + 2 * (pr % 2) * p_bytes
+        return PairSegment(stamp_pair=pr + 1, stage0=stage0, stage1=stage1, has_c1=has_c1, p0=p_addr,
+                           p1=p_addr + p_bytes)
+
+    @cute.jit
+    def _pv_behind_unit(self, cta: CTAContext, acc_O: cute.Tensor, pending, u: cutlass.Constexpr):
+        """Unit u of a pending P.V (`_pending_pv`): dim tile u % 4 of this warpgroup's 4, chunk u // 4 (a missing
+        second chunk: zero P against the first's V^T); its V^T registers, loaded once all but the newest earlier
+        unit are done (theirs are then free), and its wgmmas as a commit group of their own. Each chunk's stage is
+        released once its last V^T is loaded."""
+        if cutlass.const_expr(u < PV_UNITS):
+            NS = self.cfg.num_stages
+            bars = cta.storage.kv_full.data_ptr()
+            c, t = u // 4, u % 4
+            stage = pending.stage0 if c == 0 else pending.stage1
+            if cutlass.const_expr(u >= self.cfg.pv_behind):
+                wgmma_wait(self.cfg.pv_behind - 1)
+            a = self._load_vt(cta.ring_addr + stage * STAGE_BYTES, cta.wg * 4 + t, cta.wl, cta.lane, 1)
+            if cutlass.const_expr(u == 3):
+                if pending.has_c1:  # (else the second chunk reads the first's stage again)
+                    cute.arch.mbarrier_arrive(bars + NS + pending.stage0)
+            if cutlass.const_expr(u == PV_UNITS - 1):
+                cute.arch.mbarrier_arrive(bars + NS + pending.stage1)  # stage0 where the second chunk is missing
+                self._stamp(cta, cta.tidx % WARPGROUP == 0, pending.stamp_pair, 8 + 8 * cta.wg + 4)  # "V^T loaded"
+            wgmma_fence()
+            self._pv_wgmmas(acc_O, lambda tt, ks: a[ks], pending.p0 if c == 0 else pending.p1, t, 0, 1)
+            wgmma_commit()
+            if cutlass.const_expr(u == PV_UNITS - 1):
+                self._stamp(cta, cta.tidx % WARPGROUP == 0, pending.stamp_pair, 8 + 8 * cta.wg + 5)  # "P.V issued"
 
     @cute.jit
     def _own_chunk_k_base(self, cta: CTAContext, seg, c: Int32) -> Int32:
@@ -583,11 +690,13 @@ class MLADecodePairsSM90(MLADecodeSM90):
 
     @cute.jit
     def _write_p(self, acc_S: cute.Tensor, sPw: cute.Tensor, scale_log2: Float32, use0: Float32, use1: Float32,
-                 r0: Int32, lt: Int32, wg: Int32):
+                 r0: Int32, lt: Int32, buf: Int32, between=None, store=True):
         """P = exp2(s x scale_log2 - max) of this thread's values of rows r0 and r0 + 8 as e4m3 words (x p_scale;
-        one plane, or hi and lo) into P buffer wg: word 4k + lt of a row is tokens 16k + 2lt + (0, 1, 8, 9), the pi
-        order of the P.V A registers (`decode_mma`), which are this thread's acc_S[8k + (0, 1, 4, 5)] (row r0) and
-        [8k + (2, 3, 6, 7)] (row r0 + 8). Returns the thread's sums of the two rows' p x p_scale."""
+        one plane, or hi and lo) into P buffer buf: word 4k + lt of a row is tokens 16k + 2lt + (0, 1, 8, 9), the
+        pi order of the P.V A registers (`decode_mma`), which are this thread's acc_S[8k + (0, 1, 4, 5)] (row r0)
+        and [8k + (2, 3, 6, 7)] (row r0 + 8); nothing is stored where store is false. between(i), where given, is
+        traced after word i of the thread's 8 (`_pair_pv_behind`). Returns the thread's sums of the two rows'
+        p x p_scale."""
         # p * p_scale = exp2(s x scale_log2 - max + log2(p_scale)), one FMA and the exp2: P's scale inside the exp2
         # (p_scale is a power of two), so the sums are in units of p_scale too (`_end_segment` takes it out)
         shift = math.log2(self.cfg.p_scale)
@@ -609,11 +718,19 @@ class MLADecodePairsSM90(MLADecodeSM90):
                     row = r0 + 8 * h
                     if cutlass.const_expr(self.cfg.p_planes == 2):
                         hi, lo = quantize_p_hi_lo(pv[0], pv[1], pv[2], pv[3])
-                        sPw[4 * k + lt, row, 0, wg] = hi
-                        sPw[4 * k + lt, row, 1, wg] = lo
+                        if store:
+                            sPw[4 * k + lt, row, 0, buf] = hi
+                            sPw[4 * k + lt, row, 1, buf] = lo
                     else:
-                        sPw[4 * k + lt, row, 0, wg] = quantize_p_e4m3(pv[0], pv[1], pv[2], pv[3])
+                        word = quantize_p_e4m3(pv[0], pv[1], pv[2], pv[3])
+                        if store:
+                            sPw[4 * k + lt, row, 0, buf] = word
+                    if cutlass.const_expr(between is not None):
+                        between(2 * k + h)
             fence_proxy_async_smem()  # P is a wgmma operand
+        elif cutlass.const_expr(between is not None):
+            for i in cutlass.range_constexpr(8):
+                between(i)
         return csum0, csum1
 
     def _block_rows(self, cta: CTAContext):

@@ -21,6 +21,8 @@ def test_a_spec_is_field_value_pairs():
     assert bk.parse_variant("s_chains=1") == {"s_chains": 1}  # the research switch, one accumulator chain
     assert bk.case_config((16, 4, 64, 1 << 20, 2), bk.parse_variant("q_in_registers=1")).schedule == "swg_tma_qregs"
     assert bk.case_config((128, 1, 64, 1 << 17, 4), bk.parse_variant("chunk_pairs=1")).schedule == "pairs"
+    # the chunk-pairs schedule's P.V a pair behind, its units in flight a number
+    assert bk.case_config((128, 1, 64, 1 << 17, 4), bk.parse_variant("pv_behind=3")).pv_behind == 3
     assert bk.case_config((16, 4, 64, 1 << 20, 2), {"poison_smem": True}) == decode_config(16, 4, 64, poison_smem=True)
 
 

@@ -200,12 +200,17 @@ PAIRS = {"chunk_pairs": True}
     # after the P barrier (early_rescale=False; beside P is the default), the MMA warpgroups at 240 registers
     (128, 1, 64, {"p_exp2_fma": 2, "own_chunk_first": True, "early_rescale": True, "mma_registers": 240}),
     (16, 4, 64, {"p_exp2_fma": 4, "p_planes": 2}), (12, 8, 32, {"p_exp2_fma": 1, "own_chunk_first": True}),
-    (12, 4, 64, {"early_rescale": False, "mma_registers": 240})])
+    (12, 4, 64, {"early_rescale": False, "mma_registers": 240}),
+    # P.V a pair behind, under the next pair's softmax (pv_behind: its units in flight), with the other switches
+    (128, 1, 64, {"pv_behind": 3}), (12, 8, 32, {"pv_behind": 2, "q_in_registers": True}),
+    (16, 4, 64, {"pv_behind": 1, "s_chains": 1, "timeline": 0}),
+    (16, 4, 32, {"tile_tokens": 32, "pv_behind": 4, "unit_rescale_skip": True, "p_exp2_fma": 1})])
 def test_chunk_pairs_builds_compile(heads, q_len, page_size, options):
     """The chunk-pairs schedule (`DecodeConfig.chunk_pairs`, research) compiles at 48 and 64 rows with 4 ring
     stages, for both P precisions, one or two S chains, half- and whole-chunk boxes, padding rows, S issued a pair
-    ahead (`s_ahead`) and its research and timeline builds, and its shared memory (Q padded to S's 64 rows, no
-    S^T buffers, a second mbarrier per stage) fits a CTA."""
+    ahead (`s_ahead`), P.V a pair behind (`pv_behind`) and its research and timeline builds, and its shared memory
+    (Q padded to S's 64 rows, no S^T buffers, P buffers for one pair or two, a second mbarrier per stage) fits a
+    CTA."""
     from mla_backend.config import decode_config
     from mla_backend.hopper.decode import compile_decode, decode_kernel
     from mla_backend.hopper.decode_layout import SM90_SMEM_CAPACITY
@@ -222,6 +227,7 @@ def test_chunk_pairs_builds_compile(heads, q_len, page_size, options):
     assert all(n > 0 and n % 16 == 0 for n in regions.values()), regions
     assert sum(regions.values()) + 8 * 2 * cfg.num_stages <= SM90_SMEM_CAPACITY
     assert regions["s"] == 2 * rows * 4 and regions["q"] == 64 * 640  # the chunk maxima; Q padded to S's M
+    assert regions["p"] == (4 if cfg.pv_behind else 2) * cfg.p_planes * rows * 64
     assert compile_decode(cfg) is not None
 
 
@@ -271,9 +277,18 @@ def test_chunk_pairs_is_checked():
                              ({"mma_registers": 248}, "mma_registers is one of"),
                              ({"mma_registers": 240, "chunk_pairs": False}, "mma_registers is one of"),
                              ({"own_chunk_first": True, "s_ahead": True}, "own_chunk_first and early_rescale are"),
-                             ({"early_rescale": True, "chunk_pairs": False}, "own_chunk_first and early_rescale are")):
+                             ({"early_rescale": True, "chunk_pairs": False}, "own_chunk_first and early_rescale are"),
+                             ({"pv_behind": 5}, "pv_behind is 0"), ({"pv_behind": -1}, "pv_behind is 0"),
+                             ({"pv_behind": 2, "p_planes": 2}, "pv_behind is a form"),
+                             ({"pv_behind": 2, "num_stages": 3}, "pv_behind is a form"),
+                             ({"pv_behind": 2, "s_ahead": True}, "pv_behind is a form"),
+                             ({"pv_behind": 2, "own_chunk_first": True}, "pv_behind is a form"),
+                             ({"pv_behind": 2, "early_rescale": True}, "pv_behind is a form"),
+                             ({"pv_behind": 2, "chunk_pairs": False}, "pv_behind is a form")):
         with pytest.raises(ValueError, match=message):
             decode_config(128, 1, 64, **options)
+    # P.V a pair behind has its own order: the rescale after P.V(p - 1), which early_rescale has no form for
+    assert not decode_config(128, 1, 64, pv_behind=3).early_rescale
 
 
 def ptxas_path():
@@ -317,7 +332,10 @@ QREGS = {"q_in_registers": True}
     # its research orders and budgets
     (128, 1, 64, 64, 1, {**PAIRS, "mma_registers": 240}),
     (128, 1, 64, 64, 1, {**PAIRS, "p_exp2_fma": 2, "own_chunk_first": True, "early_rescale": True}),
-    (16, 4, 64, None, 2, {**PAIRS, "p_exp2_fma": 1, "mma_registers": 240, "early_rescale": True})])
+    (16, 4, 64, None, 2, {**PAIRS, "p_exp2_fma": 1, "mma_registers": 240, "early_rescale": True}),
+    # P.V a pair behind: at 64 rows as many units in flight as it allows, and at 48 beside Q's registers
+    (128, 1, 64, 64, 1, {**PAIRS, "pv_behind": 4}), (16, 4, 64, None, 1, {**PAIRS, "pv_behind": 1, "p_exp2_fma": 2}),
+    (12, 8, 32, None, 1, {**PAIRS, **QREGS, "pv_behind": 4})])
 def test_no_spills(tmp_path, num_heads, q_len, page_size, rows, planes, options):
     ptxas = ptxas_path()
     assert ptxas, "ptxas (pip install 'cute-mla-fp8[test]' brings it) is needed: the spill check is part of the CPU suite"
@@ -427,6 +445,12 @@ GPU_CASES = [
     # 48-row blocks with Q's first 8 k32 steps in the MMA warpgroups' registers
     (12, 8, 32, 64, True, [8, 9, 100, 1000, 4000, 65], 9, {**PAIRS, "q_in_registers": True}),
     (12, 4, 64, 64, True, [4, 5, 64, 1500, 77, 3000], 7, {**PAIRS, "q_in_registers": True, "s_ahead": True}),
+    # P.V a pair behind (one P plane): 1 to 4 units in flight, many segments a CTA, half-chunk boxes, 48 rows
+    (128, 1, 64, 64, True, [1, 700, 3000, 64], 8, {**PAIRS, "pv_behind": 3, "p_planes": 1}),
+    (64, 1, 64, 64, False, [1, 65, 129, 200, 64, 3, 1000, 4000, 130, 191, 257, 0], 5,
+     {**PAIRS, "pv_behind": 1, "p_planes": 1}),
+    (16, 4, 64, 32, True, [4, 5, 64, 1500, 77], 9, {**PAIRS, "pv_behind": 2, "p_planes": 1, "s_chains": 1}),
+    (12, 8, 32, 64, True, [8, 9, 100, 1000, 4000, 65], 9, {**PAIRS, "pv_behind": 4, "p_planes": 1}),
 ]
 
 
@@ -453,13 +477,32 @@ def _decode_merged(cfg, q, kv, bt, seq, softmax_scale, qs, ks, plan):
     return merge_decode_outputs(plan, *_decode_launch(cfg, q, kv, bt, seq, softmax_scale, qs, ks, plan), ks)
 
 
+def _assert_launches_agree(first, second, lengths, seed, num_ctas, tile_tokens=None):
+    """`first` and `second` (decode configurations of one shape) launched on the same inputs and plan: every
+    output, lse and partial bit the same, NaN in the same places."""
+    sys.path.insert(0, os.path.join(REPO, "tests"))
+    from mla_inputs import make_decode_inputs
+
+    from mla_backend.plan import plan_splits
+
+    num_heads, q_len, page_size = first.num_heads, first.q_len, first.page_size
+    assert (second.num_heads, second.q_len, second.page_size) == (num_heads, q_len, page_size)
+    q, kv, bt, seq, qs, ks = make_decode_inputs(lengths, q_len=q_len, num_heads=num_heads, page_size=page_size,
+                                                device="cuda", seed=seed)
+    plan = plan_splits(seq, q_len=q_len, num_heads=num_heads, page_size=page_size, tile_tokens=tile_tokens,
+                       num_ctas=num_ctas)
+    for a, b in zip(_decode_launch(first, q, kv, bt, seq, 576 ** -0.5, qs, ks, plan),
+                    _decode_launch(second, q, kv, bt, seq, 576 ** -0.5, qs, ks, plan)):
+        assert _same_bits(a, b)
+
+
 def _options_id(options) -> str:
     """A case's kernel options in its test id (`-k chunk_pairs` selects those cases): 'default' or k=v+k=v."""
     return "+".join(f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in options.items()) or "default"
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("options", [{}, {"p_exp2_fma": 4}], ids=_options_id)
+@pytest.mark.parametrize("options", [{}, {"p_exp2_fma": 4}, {"pv_behind": 3}], ids=_options_id)
 def test_nan_in_the_kv_reaches_its_rows_gpu(options):
     """A NaN in one token's latent is NaN in every output row and lse of its request (each row's S of that token
     is NaN, and so its p, whichever pipe takes the exp2: `p_exp2_fma=4` takes them all on the FMA pipe), never an
@@ -520,21 +563,11 @@ def test_matches_reference_gpu(num_heads, q_len, page_size, tile_tokens, causal,
 def test_early_rescale_changes_no_bit_gpu(num_heads, q_len, page_size, options):
     """O^T rescaled beside P's exp2 (`early_rescale`, the chunk-pairs default) instead of after the P barrier
     multiplies the same values by the same alphas: every output and lse bit equals the other order's."""
-    sys.path.insert(0, os.path.join(REPO, "tests"))
-    from mla_inputs import make_decode_inputs
-
     from mla_backend.config import decode_config
-    from mla_backend.plan import plan_splits
 
-    lengths = [1, 700, 3000, 64, 20000]
-    q, kv, bt, seq, qs, ks = make_decode_inputs(lengths, q_len=q_len, num_heads=num_heads, page_size=page_size,
-                                                device="cuda", seed=13)
-    plan = plan_splits(seq, q_len=q_len, num_heads=num_heads, page_size=page_size, num_ctas=12)
     early, late = (decode_config(num_heads, q_len, page_size, early_rescale=e, **options) for e in (True, False))
     assert early.chunk_pairs and late.chunk_pairs
-    for a, b in zip(_decode_launch(early, q, kv, bt, seq, 576 ** -0.5, qs, ks, plan),
-                    _decode_launch(late, q, kv, bt, seq, 576 ** -0.5, qs, ks, plan)):
-        assert _same_bits(a, b)
+    _assert_launches_agree(early, late, [1, 700, 3000, 64, 20000], seed=13, num_ctas=12)
 
 
 @pytest.mark.gpu
@@ -546,22 +579,12 @@ def test_unit_rescale_skip_changes_no_bit_gpu(num_heads, q_len, page_size, optio
     """Skipping a thread's O^T rescale where all its alphas are 1 (`unit_rescale_skip`) multiplies nothing by
     anything but 1 less: every output and lse bit equals the build that rescales every chunk (48 rows compared
     with the same P.V order, which the skip needs)."""
-    sys.path.insert(0, os.path.join(REPO, "tests"))
-    from mla_inputs import make_decode_inputs
-
     from mla_backend.config import decode_config
-    from mla_backend.plan import plan_splits
 
-    lengths = [1, 700, 3000, 64, 20000]
-    q, kv, bt, seq, qs, ks = make_decode_inputs(lengths, q_len=q_len, num_heads=num_heads, page_size=page_size,
-                                                device="cuda", seed=11)
-    plan = plan_splits(seq, q_len=q_len, num_heads=num_heads, page_size=page_size, num_ctas=12)
     every = decode_config(num_heads, q_len, page_size, pv_order="whole", **options)
     skip = decode_config(num_heads, q_len, page_size, unit_rescale_skip=True, **options)
     assert skip.pv_order == "whole"
-    for a, b in zip(_decode_launch(every, q, kv, bt, seq, 576 ** -0.5, qs, ks, plan),
-                    _decode_launch(skip, q, kv, bt, seq, 576 ** -0.5, qs, ks, plan)):
-        assert _same_bits(a, b)
+    _assert_launches_agree(every, skip, [1, 700, 3000, 64, 20000], seed=11, num_ctas=12)
 
 
 @pytest.mark.gpu
@@ -571,22 +594,29 @@ def test_unit_rescale_skip_changes_no_bit_gpu(num_heads, q_len, page_size, optio
 def test_s_ahead_changes_no_bit_gpu(num_heads, q_len, page_size, tile_tokens, options):
     """The chunk-pairs schedule with S issued a pair ahead (`s_ahead`) does the same arithmetic in the same order
     as phase after phase: every output and lse bit is the same, over segments of odd and even chunk counts."""
-    sys.path.insert(0, os.path.join(REPO, "tests"))
-    from mla_inputs import make_decode_inputs
-
     from mla_backend.config import decode_config
-    from mla_backend.plan import plan_splits
 
-    lengths = [1, 700, 3000, 64, 20000, 129, 0, 4100]
-    q, kv, bt, seq, qs, ks = make_decode_inputs(lengths, q_len=q_len, num_heads=num_heads, page_size=page_size,
-                                                device="cuda", seed=13)
-    plan = plan_splits(seq, q_len=q_len, num_heads=num_heads, page_size=page_size, tile_tokens=tile_tokens,
-                       num_ctas=10)
     phases, ahead = (decode_config(num_heads, q_len, page_size, tile_tokens=tile_tokens, s_ahead=s_ahead,
                                    **PAIRS, **options) for s_ahead in (False, True))
-    for a, b in zip(_decode_launch(phases, q, kv, bt, seq, 576 ** -0.5, qs, ks, plan),
-                    _decode_launch(ahead, q, kv, bt, seq, 576 ** -0.5, qs, ks, plan)):
-        assert _same_bits(a, b)
+    _assert_launches_agree(phases, ahead, [1, 700, 3000, 64, 20000, 129, 0, 4100], seed=13, num_ctas=10,
+                           tile_tokens=tile_tokens)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pv_behind", [1, 2, 3, 4])
+@pytest.mark.parametrize("num_heads,q_len,page_size,tile_tokens,options", [
+    (128, 1, 64, 64, {}), (16, 4, 64, 32, {"s_chains": 1}), (64, 1, 64, 64, {}), (12, 8, 32, 64, {}),
+    (12, 8, 32, 64, {"q_in_registers": True})])
+def test_pv_behind_changes_no_bit_gpu(num_heads, q_len, page_size, tile_tokens, options, pv_behind):
+    """P.V a pair behind (`pv_behind`, one P plane) adds each pair's P.V and rescales O^T in the same order on the
+    same values as phase after phase, one pair later: every output and lse bit is the same, over segments of odd
+    and even chunk counts, whatever number of its units are in flight."""
+    from mla_backend.config import decode_config
+
+    phases, behind = (decode_config(num_heads, q_len, page_size, tile_tokens=tile_tokens, p_planes=1,
+                                    pv_behind=n, **PAIRS, **options) for n in (0, pv_behind))
+    _assert_launches_agree(phases, behind, [1, 700, 3000, 64, 20000, 129, 0, 4100], seed=19, num_ctas=10,
+                           tile_tokens=tile_tokens)
 
 
 @pytest.mark.gpu
@@ -617,7 +647,8 @@ def test_chunk_pairs_q_in_registers_matches_q_from_shared_memory_gpu(num_heads, 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_heads,q_len,options", [(16, 4, {}), (16, 4, {"s_ahead": True}), (12, 8, {}),
-                                                     (128, 1, {"s_ahead": True})])
+                                                     (128, 1, {"s_ahead": True}), (16, 4, {"pv_behind": 2}),
+                                                     (128, 1, {"pv_behind": 4})])
 def test_chunk_pairs_launches_on_kv_held_in_l2_are_bit_identical_gpu(num_heads, q_len, options):
     """The chunk-pairs schedule's own ring protocol (landed / read mbarriers, refills by a load warpgroup) under the
     test that caught a refill racing the V^T reads (test_mla_decode_gpu.py): 100 launches on KV that fits in L2,
@@ -715,6 +746,8 @@ POISON_CASES = [
     (16, 4, 64, 64, [0, 4, 5, 64, 1500, 77, 10779, 238], 24, {**PAIRS, "s_ahead": True}),
     (12, 8, 32, 64, [8, 9, 100, 1000, 4000, 65], 9, PAIRS),  # 48 rows: S's padding rows
     (12, 8, 32, 64, [8, 9, 100, 1000, 4000, 65], 9, {**PAIRS, "q_in_registers": True}),  # Q's first steps in registers
+    (16, 4, 64, 64, [0, 4, 5, 64, 1500, 77, 10779, 238], 24, {**PAIRS, "pv_behind": 3}),  # two pairs' P buffers
+    (12, 8, 32, 64, [8, 9, 100, 1000, 4000, 65], 9, {**PAIRS, "pv_behind": 2}),
 ]
 
 
