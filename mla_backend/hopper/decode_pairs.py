@@ -41,7 +41,9 @@ Three forms (`DecodeConfig.s_ahead`, `DecodeConfig.pv_behind`):
 The third warpgroup only loads. Its warp 0 issues each chunk's TMA boxes onto the stage's "landed" mbarrier once
 the stage's "read" mbarrier says both P.V warpgroups are done with the chunk it held (every thread of both
 arrives after its V^T loads of that chunk; the owner's S was waited for before); its 128 threads copy Q by
-cp.async at a segment's start and arrive on PAIR_Q_BAR once it landed. The chunks are counted over the CTA's
+cp.async at a segment's start and arrive on PAIR_Q_BAR once it landed. With `kv_prefetch` (research) warp 0 also
+prefetches the chunk that many ahead into L2 before each wait for a stage, so that a load issued late (P.V a pair
+behind releases a pair's stages during the next pair) finds its bytes in L2 rather than in DRAM. The chunks are counted over the CTA's
 segments, so each stage's mbarrier phases follow from the count. A segment's last chunk is zeroed past its end
 by the warpgroup that computes its S, before that S (both warpgroups read its V^T only after the P barrier). A
 chunk past the segment's end (warpgroup 1's in a pair that has one chunk, and with S ahead the pair after the
@@ -207,7 +209,21 @@ class MLADecodePairsSM90(MLADecodeSM90):
             cute.arch.barrier_arrive(barrier_id=PAIR_Q_BAR, number_of_threads=self.num_threads)
             if issuer:
                 page_a, page_b = self._lookup_chunk_pages(cta.mBT, b, tok_begin + NS * C, tok_end)
+                D = self.cfg.kv_prefetch  # research: chunk j + D into L2 before the wait for chunk j's stage
+                if cutlass.const_expr(D > 0):
+                    lead = cute.arch.lane_idx() == 0
+                    ahead = [self._lookup_chunk_pages(cta.mBT, b, tok_begin + (NS + d) * C, tok_end)
+                             for d in range(D + 1)]
+                    for d in cutlass.range_constexpr(D):
+                        if lead:
+                            self._prefetch_chunk_l2(cta, ahead[d][0], ahead[d][1], tok_begin + (NS + d) * C)
+                    ahead_a, ahead_b = ahead[D]
                 for j in range(NS, n_chunks):
+                    if cutlass.const_expr(D > 0):
+                        if lead:
+                            self._prefetch_chunk_l2(cta, ahead_a, ahead_b, tok_begin + (j + D) * C)
+                        ahead_a, ahead_b = self._lookup_chunk_pages(cta.mBT, b, tok_begin + (j + D + 1) * C,
+                                                                    tok_end)
                     self._refill_stage(cta, boxes, bars, done + j, page_a, page_b, tok_begin + j * C, j)
                     # the next chunk's page, read while this warp waits for its stage
                     page_a, page_b = self._lookup_chunk_pages(cta.mBT, b, tok_begin + (j + 1) * C, tok_end)

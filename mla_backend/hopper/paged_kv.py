@@ -15,7 +15,8 @@ wgmma reads (`decode_layout`), by one of two paths:
   a bad entry). The boxes' bytes land in the same swizzled layout the cp.async path writes. Tokens of a loaded
   page past the segment end are zeroed by the threads after the chunk lands (`_zero_tail_tokens`), so their
   bytes never reach P.V. Boxes start at chunk starts, which are tile starts: tiles of fewer than 32 tokens load
-  by cp.async (`config.default_kv_loads`).
+  by cp.async (`config.default_kv_loads`). The chunk-pairs schedule may also prefetch the chunks a few ahead of
+  their boxes into L2 (`DecodeConfig.kv_prefetch`, research; `_prefetch_chunk_l2`), pages of the cache only.
 
 Either way the block table is never read past ceil(L_b / page_size), and whatever the metadata (unchecked inside
 CUDA graphs), page indices are clamped to the table's width and entries outside the cache are never read.
@@ -32,7 +33,7 @@ from cutlass.cute.nvgpu import cpasync
 
 from ..shapes import KV_DIM
 from .decode_layout import CHUNK, KV_BLOCKS, PIECES, swizzle128
-from .ptx import cp_async_16_l2_128
+from .ptx import cp_async_16_l2_128, prefetch_l2_bulk
 
 HALF = CHUNK // 2  # tokens of a half-chunk TMA box, which never crosses a page (pages of 32 or 64)
 LATENT_BLOCKS = 4  # the 128-byte blocks of the 512 latent bytes (the fifth block is the rope's 64)
@@ -204,6 +205,21 @@ class PagedKVLoads:
         if cutlass.const_expr(self.cfg.kv_box_tokens != CHUNK):
             page_b = self._lookup_page(mBT, b, tok0 + HALF, tok_end, 0)
         return page_a, page_b
+
+    @cute.jit
+    def _prefetch_chunk_l2(self, cta, page_a: Int32, page_b: Int32, tok0: Int32):
+        """(one thread) The chunk [tok0, tok0 + C) into L2 ahead of its TMA load (`DecodeConfig.kv_prefetch`): its
+        tokens on page_a (whole-chunk boxes), or its halves on page_a and page_b, each a contiguous run of the
+        cache; nothing for a page that is not one of the cache's (-1 past the segment's end, or a bad entry), so
+        no byte outside the cache is touched."""
+        P = self.cfg.page_size
+        n_pages = cute.size(cta.mKV, mode=[3])
+        halves = 1 if self.cfg.kv_box_tokens == CHUNK else 2
+        for h in cutlass.range_constexpr(halves):
+            page = page_a if h == 0 else page_b
+            if page >= 0 and page < n_pages:
+                tok = tok0 + h * HALF
+                prefetch_l2_bulk(cta.mKV[None, 0, tok % P, page].iterator.toint(), (CHUNK // halves) * KV_DIM)
 
     @cute.jit
     def _issue_chunk_tma(self, cta, boxes, bar: cute.Pointer, page_a: Int32, page_b: Int32, tok0: Int32,

@@ -14,7 +14,8 @@ kernel addresses its FP8 tiles itself and uses these primitives:
   commit and wait around them; `wgmma_ss_e4m3_desc` takes the operands' descriptor words (`smem_desc_lo`), made
   once and stepped by a schedule.
 - `exp2_fma`: 2^x by a polynomial on the FMA pipe, for P values taken off MUFU (`DecodeConfig.p_exp2_fma`).
-- `cp_async_16_l2_128`: a 16-byte cp.async with the L2::128B prefetch hint, which CuTe's copy atom cannot express.
+- `cp_async_16_l2_128`: a 16-byte cp.async with the L2::128B prefetch hint, which CuTe's copy atom cannot express;
+  `prefetch_l2_bulk`: a bulk prefetch of global bytes into L2 (`DecodeConfig.kv_prefetch`).
 - `sm_clock` / `store_global_u32`: the SM's cycle counter and a plain global store, for the timeline builds of the
   decode (config.DecodeConfig.timeline); `store_shared_v2_f32`: an 8-byte shared store of two floats.
 
@@ -169,6 +170,15 @@ def cp_async_16_l2_128(smem_addr, gmem_addr, *, loc=None, ip=None):
     the whole 128-byte line from DRAM at once. CuTe's cp.async atom has no such option."""
     _asm(None, [Int32(smem_addr).ir_value(loc=loc, ip=ip), Int64(gmem_addr).ir_value(loc=loc, ip=ip)],
          "cp.async.cg.shared.global.L2::128B [$0], [$1], 16;", "r,l", True, loc, ip)
+
+
+@dsl_user_op
+def prefetch_l2_bulk(gmem_addr, nbytes: int, *, loc=None, ip=None):
+    """cp.async.bulk.prefetch.L2 of nbytes (a multiple of 16) from a 16-byte-aligned global address: the bytes
+    are fetched into L2 with nothing written to shared memory and nothing to wait for."""
+    assert nbytes % 16 == 0, nbytes
+    _asm(None, [Int64(gmem_addr).ir_value(loc=loc, ip=ip)], f"cp.async.bulk.prefetch.L2.global [$0], {nbytes};",
+         "l", True, loc, ip)
 
 
 @dsl_user_op

@@ -2,9 +2,10 @@
 chunk-pairs schedule (research) launched directly.
 
 The KV pool is allocated with exactly the pages the batch uses and the block table's unused slots hold huge
-page ids, so a read past any request's pages or past the pool is reported. The last case passes values the
-eager checks would reject (check_values=False, as engines call it): page ids outside the pool inside the
-lengths, a length past the block table's width (the table allocated exactly), a negative length.
+page ids, so a read past any request's pages or past the pool is reported. The last two cases (the chunk-pairs
+schedule with its L2 prefetch, the op) pass values the eager checks would reject (check_values=False, as engines
+call it): page ids outside the pool inside the lengths, a length past the block table's width (the table
+allocated exactly), a negative length.
 """
 
 import os
@@ -28,23 +29,45 @@ for heads, q_len, page, lengths in [(12, 1, 32, [0, 1, 31, 33, 700]), (16, 4, 64
     torch.cuda.synchronize()
     print(f"sanitize: checked H{heads} q{q_len} page {page} {lengths}")
 
-# the chunk-pairs schedule (research, `DecodeConfig.chunk_pairs`), launched directly into exactly allocated outputs:
-# 64 rows, 48 rows padded to S's 64, both forms; few CTAs, so that CTAs run several segments and requests split
-for heads, q_len, page, lengths, options in [(128, 1, 64, [5, 129, 700], {}),
-                                             (12, 8, 32, [8, 9, 700], {"s_ahead": True}),
-                                             (16, 4, 64, [1, 65, 3000], {"s_ahead": True})]:
-    q, kv, bt, sl, qs, ks = make_decode_inputs(lengths, q_len=q_len, num_heads=heads, page_size=page, device="cuda",
-                                               extra_pages=0)
+
+
+def run_chunk_pairs(heads, q_len, page, options, q, kv, bt, sl, qs, ks):
+    """The chunk-pairs schedule (research, `DecodeConfig.chunk_pairs`) launched directly into exactly allocated
+    outputs, on 5 CTAs, so that CTAs run several segments and requests split."""
     cfg = decode_config(heads, q_len, page, chunk_pairs=True, **options)
     plan = plan_splits(sl, q_len=q_len, num_heads=heads, page_size=page, num_ctas=5)
-    out = torch.empty((len(lengths), q_len, heads, 512), dtype=torch.bfloat16, device="cuda")
-    lse = torch.empty((len(lengths), q_len, heads), dtype=torch.float32, device="cuda")
+    batch = sl.shape[0]
+    out = torch.empty((batch, q_len, heads, 512), dtype=torch.bfloat16, device="cuda")
+    lse = torch.empty((batch, q_len, heads), dtype=torch.float32, device="cuda")
     partial_out = torch.empty((plan.num_slots, q_len, heads, 512), dtype=torch.float16, device="cuda")
     partial_lse = torch.empty((plan.num_slots, q_len, heads), dtype=torch.float32, device="cuda")
     run_decode(cfg, q, kv, bt, sl, 0.05, qs, ks, plan, out, lse, partial_out, partial_lse,
                torch.cuda.current_stream())
     torch.cuda.synchronize()
+
+
+# 64 rows, 48 rows padded to S's 64; S a pair ahead, P.V a pair behind, the chunks prefetched into L2
+for heads, q_len, page, lengths, options in [(128, 1, 64, [5, 129, 700], {}),
+                                             (12, 8, 32, [8, 9, 700], {"s_ahead": True}),
+                                             (16, 4, 64, [1, 65, 3000], {"s_ahead": True}),
+                                             (16, 4, 64, [1, 65, 3000], {"pv_behind": 3, "kv_prefetch": 4}),
+                                             (12, 8, 32, [8, 9, 700], {"pv_behind": 2, "kv_prefetch": 2})]:
+    run_chunk_pairs(heads, q_len, page, options,
+                    *make_decode_inputs(lengths, q_len=q_len, num_heads=heads, page_size=page, device="cuda",
+                                        extra_pages=0))
     print(f"sanitize: checked chunk pairs H{heads} q{q_len} page {page} {lengths} {options}")
+
+# the L2 prefetch reads block-table entries chunks ahead of their loads: with values the eager checks would reject
+# (page ids outside the pool inside the lengths, a length past the table's width) it touches no byte outside the
+# pool either
+q, kv, bt, sl, qs, ks = make_decode_inputs([300, 700, 90, 5], q_len=4, num_heads=16, page_size=64, device="cuda",
+                                           extra_pages=0)
+bad_bt = bt[:, :6].clone()  # room for 384 tokens per request, allocated exactly
+bad_bt[1, 2] = -7
+bad_bt[1, 4] = kv.shape[0] + 12
+bad_sl = torch.tensor([300, 700, -3, 5], dtype=torch.int32, device="cuda")
+run_chunk_pairs(16, 4, 64, {"kv_prefetch": 8}, q, kv, bad_bt, bad_sl, qs, ks)
+print("sanitize: checked chunk pairs with the L2 prefetch on unchecked bad values")
 
 q, kv, bt, sl, qs, ks = make_decode_inputs([100, 64, 40, 5], q_len=1, num_heads=12, page_size=32, device="cuda",
                                            extra_pages=0)

@@ -204,7 +204,10 @@ PAIRS = {"chunk_pairs": True}
     # P.V a pair behind, under the next pair's softmax (pv_behind: its units in flight), with the other switches
     (128, 1, 64, {"pv_behind": 3}), (12, 8, 32, {"pv_behind": 2, "q_in_registers": True}),
     (16, 4, 64, {"pv_behind": 1, "s_chains": 1, "timeline": 0}),
-    (16, 4, 32, {"tile_tokens": 32, "pv_behind": 4, "unit_rescale_skip": True, "p_exp2_fma": 1})])
+    (16, 4, 32, {"tile_tokens": 32, "pv_behind": 4, "unit_rescale_skip": True, "p_exp2_fma": 1}),
+    # the chunks prefetched into L2 ahead of their boxes (kv_prefetch): whole- and half-chunk boxes, 48 rows
+    (128, 1, 64, {"kv_prefetch": 2}), (16, 4, 32, {"tile_tokens": 32, "kv_prefetch": 8, "pv_behind": 2}),
+    (12, 8, 32, {"kv_prefetch": 1})])
 def test_chunk_pairs_builds_compile(heads, q_len, page_size, options):
     """The chunk-pairs schedule (`DecodeConfig.chunk_pairs`, research) compiles at 48 and 64 rows with 4 ring
     stages, for both P precisions, one or two S chains, half- and whole-chunk boxes, padding rows, S issued a pair
@@ -284,7 +287,9 @@ def test_chunk_pairs_is_checked():
                              ({"pv_behind": 2, "s_ahead": True}, "pv_behind is a form"),
                              ({"pv_behind": 2, "own_chunk_first": True}, "pv_behind is a form"),
                              ({"pv_behind": 2, "early_rescale": True}, "pv_behind is a form"),
-                             ({"pv_behind": 2, "chunk_pairs": False}, "pv_behind is a form")):
+                             ({"pv_behind": 2, "chunk_pairs": False}, "pv_behind is a form"),
+                             ({"kv_prefetch": 9}, "kv_prefetch is 0"),
+                             ({"kv_prefetch": 2, "chunk_pairs": False}, "kv_prefetch is 0")):
         with pytest.raises(ValueError, match=message):
             decode_config(128, 1, 64, **options)
     # P.V a pair behind has its own order: the rescale after P.V(p - 1), which early_rescale has no form for
@@ -335,7 +340,10 @@ QREGS = {"q_in_registers": True}
     (16, 4, 64, None, 2, {**PAIRS, "p_exp2_fma": 1, "mma_registers": 240, "early_rescale": True}),
     # P.V a pair behind: at 64 rows as many units in flight as it allows, and at 48 beside Q's registers
     (128, 1, 64, 64, 1, {**PAIRS, "pv_behind": 4}), (16, 4, 64, None, 1, {**PAIRS, "pv_behind": 1, "p_exp2_fma": 2}),
-    (12, 8, 32, None, 1, {**PAIRS, **QREGS, "pv_behind": 4})])
+    (12, 8, 32, None, 1, {**PAIRS, **QREGS, "pv_behind": 4}),
+    # the L2 prefetch in the load warpgroup's 40 registers: its farthest, half-chunk boxes (two pages a chunk)
+    (128, 1, 64, 64, 1, {**PAIRS, "kv_prefetch": 8, "pv_behind": 3}),
+    (16, 4, 64, None, 2, {**PAIRS, "kv_prefetch": 8, "kv_box_tokens": 32})])
 def test_no_spills(tmp_path, num_heads, q_len, page_size, rows, planes, options):
     ptxas = ptxas_path()
     assert ptxas, "ptxas (pip install 'cute-mla-fp8[test]' brings it) is needed: the spill check is part of the CPU suite"
@@ -451,6 +459,8 @@ GPU_CASES = [
      {**PAIRS, "pv_behind": 1, "p_planes": 1}),
     (16, 4, 64, 32, True, [4, 5, 64, 1500, 77], 9, {**PAIRS, "pv_behind": 2, "p_planes": 1, "s_chains": 1}),
     (12, 8, 32, 64, True, [8, 9, 100, 1000, 4000, 65], 9, {**PAIRS, "pv_behind": 4, "p_planes": 1}),
+    # the chunks prefetched into L2 ahead of their boxes (kv_prefetch): tiles of 32, so chunks across pages
+    (16, 4, 64, 32, True, [4, 5, 64, 1500, 77], 9, {**PAIRS, "kv_prefetch": 3}),
 ]
 
 
@@ -616,6 +626,22 @@ def test_pv_behind_changes_no_bit_gpu(num_heads, q_len, page_size, tile_tokens, 
     phases, behind = (decode_config(num_heads, q_len, page_size, tile_tokens=tile_tokens, p_planes=1,
                                     pv_behind=n, **PAIRS, **options) for n in (0, pv_behind))
     _assert_launches_agree(phases, behind, [1, 700, 3000, 64, 20000, 129, 0, 4100], seed=19, num_ctas=10,
+                           tile_tokens=tile_tokens)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_heads,q_len,page_size,tile_tokens,options", [
+    (128, 1, 64, 64, {"kv_prefetch": 2}), (16, 4, 64, 32, {"kv_prefetch": 8}), (12, 8, 32, 64, {"kv_prefetch": 3}),
+    (64, 1, 64, 64, {"kv_prefetch": 4, "pv_behind": 3, "p_planes": 1})])
+def test_kv_prefetch_changes_no_bit_gpu(num_heads, q_len, page_size, tile_tokens, options):
+    """The chunks prefetched into L2 ahead of their TMA loads (`kv_prefetch`) change when bytes arrive, not which:
+    every output and lse bit equals the build without it, over segments of odd and even chunk counts."""
+    from mla_backend.config import decode_config
+
+    base = {k: v for k, v in options.items() if k != "kv_prefetch"}
+    plain, ahead = (decode_config(num_heads, q_len, page_size, tile_tokens=tile_tokens, **PAIRS, **base, **extra)
+                    for extra in ({}, {"kv_prefetch": options["kv_prefetch"]}))
+    _assert_launches_agree(plain, ahead, [1, 700, 3000, 64, 20000, 129, 0, 4100], seed=23, num_ctas=10,
                            tile_tokens=tile_tokens)
 
 
