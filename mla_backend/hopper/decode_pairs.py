@@ -38,18 +38,18 @@ Three forms (`DecodeConfig.s_ahead`, `DecodeConfig.pv_behind`):
   the first form's order one pair later. P is double-buffered by pair, and a pair's stages are released during
   the next pair, as its P.V loads their V^T: the load of pair p + 1 then has less than a pair to land.
 
-The third warpgroup only loads. Its warp 0 issues each chunk's TMA boxes onto the stage's "landed" mbarrier once
-the stage's "read" mbarrier says both P.V warpgroups are done with the chunk it held (every thread of both
-arrives after its V^T loads of that chunk; the owner's S was waited for before); its 128 threads copy Q by
-cp.async at a segment's start and arrive on PAIR_Q_BAR once it landed. With `kv_prefetch` (research) warp 0 also
-prefetches the chunk that many ahead into L2 before each wait for a stage, so that a load issued late (P.V a pair
-behind releases a pair's stages during the next pair) finds its bytes in L2 rather than in DRAM. The chunks are counted over the CTA's
-segments, so each stage's mbarrier phases follow from the count. A segment's last chunk is zeroed past its end
-by the warpgroup that computes its S, before that S (both warpgroups read its V^T only after the P barrier). A
-chunk past the segment's end (warpgroup 1's in a pair that has one chunk, and with S ahead the pair after the
-last) still has its S issued, with Q's own rows as the B operand (no wgmma is issued under a branch, which would
-make ptxas serialise them all) and every token masked: its P is zero and its maxima -inf, and its P.V pairs that
-zero P with the first chunk's V^T. The ring has 4 stages: one pair computed while the next lands.
+The third warpgroup only loads. Its warp 0 issues each chunk's TMA boxes onto the stage's "landed" mbarrier once the
+stage's "read" mbarrier says both P.V warpgroups are done with the chunk it held (every thread of both arrives after
+its V^T loads of that chunk; the owner's S was waited for before); its 128 threads copy Q by cp.async at a segment's
+start and arrive on PAIR_Q_BAR once it landed. With `kv_prefetch` (research) warp 0 also prefetches the chunk that
+many ahead into L2 before each wait for a stage, so that a load issued late (P.V a pair behind releases a pair's
+stages during the next pair) finds its bytes in L2 rather than in DRAM. The chunks are counted over the CTA's
+segments, so each stage's mbarrier phases follow from the count. A segment's last chunk is zeroed past its end by
+the warpgroup that computes its S, before that S (both warpgroups read its V^T only after the P barrier). A chunk
+past the segment's end (warpgroup 1's in a pair that has one chunk, and with S ahead the pair after the last) still
+has its S issued, with Q's own rows as the B operand (no wgmma is issued under a branch, which would make ptxas
+serialise them all) and every token masked: its P is zero and its maxima -inf, and its P.V pairs that zero P with
+the first chunk's V^T. The ring has 4 stages: one pair computed while the next lands.
 
 48-row blocks (H12 q_len 4 and 8): S keeps wgmma's 64 rows as M, Q padded with zero rows (its buffer holds 64,
 `q_rows`); warp 3 of each MMA warpgroup holds only padding rows, which see no token and store no maxima, P,
