@@ -129,8 +129,9 @@ class DecodeConfig:
     `early_rescale` (the phase-after-phase form's default with one P plane, `default_early_rescale`) rescales O^T
     beside P's exp2 instead of after the P barrier; `pv_behind` (research, 1-4; one P plane, 4 stages) runs each
     pair's P.V during the next pair, a dim tile of a chunk at a time between its P's words with at most that many
-    in flight, so that the tensor pipe has work while the softmax runs (the same arithmetic in the same order);
-    `kv_prefetch` (research, 0-8) has its load warp prefetch the chunk that many ahead of each TMA load into L2
+    in flight, so that the tensor pipe has work while the softmax runs (the same arithmetic in the same order),
+    and with `s_under_rescale` (research) issues the next pair's S before O^T's rescale and the P barrier instead
+    of after them; `kv_prefetch` (research, 0-8) has its load warp prefetch the chunk that many ahead of each TMA load into L2
     (`ptx.prefetch_l2_bulk`), before it waits for that load's stage. `poison_smem` (a check for tests) sets
     every byte of the CTA's shared memory to 0xFF (NaN as e4m3, fp16 and fp32) before the kernel uses it: a read of
     shared memory that the launch did not write, whose value would otherwise be whatever the SM's previous kernel
@@ -167,6 +168,7 @@ class DecodeConfig:
     own_chunk_first: bool = False
     early_rescale: bool = False
     pv_behind: int = 0
+    s_under_rescale: bool = False
     kv_prefetch: int = 0
 
     def __post_init__(self):
@@ -242,6 +244,8 @@ class DecodeConfig:
             # meanwhile; one plane: the P buffers of two pairs (`hopper/decode_pairs.py`)
             raise ValueError("pv_behind is a form of the chunk_pairs schedule with one P plane and 4 ring stages, "
                              "without s_ahead, own_chunk_first or early_rescale")
+        if self.s_under_rescale and not self.pv_behind:
+            raise ValueError("s_under_rescale is an order of pv_behind")
         if not 0 <= self.kv_prefetch <= 8 or (self.kv_prefetch and not self.chunk_pairs):
             raise ValueError(f"kv_prefetch is 0 (off) to 8 (chunks ahead of its TMA load prefetched into L2) in the "
                              f"chunk_pairs schedule, got {self.kv_prefetch}")

@@ -36,7 +36,9 @@ Three forms (`DecodeConfig.s_ahead`, `DecodeConfig.pv_behind`):
   P's words, at most `pv_behind` in flight), so that the tensor pipe runs it while the softmax of pair p does not
   need it; once it is done O^T is rescaled for pair p (`_pair_pv_behind`). O^T += P.V(p - 1), O^T *= alpha(p) is
   the first form's order one pair later. P is double-buffered by pair, and a pair's stages are released during
-  the next pair, as its P.V loads their V^T: the load of pair p + 1 then has less than a pair to land.
+  the next pair, as its P.V loads their V^T: the load of pair p + 1 then has less than a pair to land. With
+  `s_under_rescale` S(p + 1) is issued before the rescale and the P barrier (past the segment's last pair on Q's
+  own rows, masked whole, as with S ahead), so that the tensor pipe is not idle through them.
 
 The third warpgroup only loads. Its warp 0 issues each chunk's TMA boxes onto the stage's "landed" mbarrier once the
 stage's "read" mbarrier says both P.V warpgroups are done with the chunk it held (every thread of both arrives after
@@ -303,17 +305,23 @@ class MLADecodePairsSM90(MLADecodeSM90):
                 wgmma_wait(0)  # the S issued past the last pair (all masked, on Q) is done with sQ
             elif cutlass.const_expr(self.cfg.pv_behind):
                 # pair 0 has no P.V before it: peeled, so that no wgmma is issued under a branch inside the loop
+                k_cur = cta.q_addr  # with s_under_rescale, the chunk whose S's first chain the pair before issued
                 if n_pairs > 0:
-                    m0, m1, l0, l1 = self._pair_pv_behind(cta, seg, acc_O, acc_S, acc_A, acc_B, q_regs, sPw, sMax,
-                                                          sAlpha, Int32(0), m0, m1, l0, l1, False)
+                    if cutlass.const_expr(self.cfg.s_under_rescale):  # (later pairs': the pair before issues it)
+                        k_cur = self._own_chunk_k_base(cta, seg, cta.wg)
+                        self._issue_qk_first(acc_A, q_regs, k_cur, cta.q_addr, self._s_first_steps())
+                    m0, m1, l0, l1, k_cur = self._pair_pv_behind(cta, seg, acc_O, acc_S, acc_A, acc_B, q_regs, sPw,
+                                                                 sMax, sAlpha, Int32(0), m0, m1, l0, l1, k_cur,
+                                                                 False)
                 for pr in range(1, n_pairs):
-                    m0, m1, l0, l1 = self._pair_pv_behind(cta, seg, acc_O, acc_S, acc_A, acc_B, q_regs, sPw, sMax,
-                                                          sAlpha, pr, m0, m1, l0, l1, True)
+                    m0, m1, l0, l1, k_cur = self._pair_pv_behind(cta, seg, acc_O, acc_S, acc_A, acc_B, q_regs, sPw,
+                                                                 sMax, sAlpha, pr, m0, m1, l0, l1, k_cur, True)
                 if n_pairs > 0:  # the last pair's P.V
                     pending = self._pending_pv(cta, seg, n_pairs - 1)
                     for u in cutlass.range_constexpr(PV_UNITS):
                         self._pv_behind_unit(cta, acc_O, pending, u)
                     self._wait_mma(acc_O)  # inside the branch: no wgmma in flight where its paths join
+                    # (with s_under_rescale, also the S issued past the last pair, on Q's own rows: done with sQ)
             else:
                 for pr in range(n_pairs):
                     m0, m1, l0, l1 = self._pair(cta, seg, acc_O, acc_S, acc_A, acc_B, q_regs, sPw, sMax, sAlpha,
@@ -401,7 +409,7 @@ class MLADecodePairsSM90(MLADecodeSM90):
         # soon as its V^T is in registers, below, to widen it).
         k_next = self._own_chunk_k_base(cta, seg, 2 * pr + 2 + cta.wg)
         self._stamp(cta, lead, pr, 8 + 8 * cta.wg + 0)  # "chunk landed" (the next pair's)
-        self._issue_qk_first(acc_A, q_regs, k_next, cta.q_addr, half if two else 2 * half)
+        self._issue_qk_first(acc_A, q_regs, k_next, cta.q_addr, self._s_first_steps())
         new0, new1, alpha0, alpha1, csum0, csum1 = self._softmax_pair(cta, seg, acc_S, sPw, sMax, sAlpha, pr, m0,
                                                                       m1)
         stage0, stage1, has_c1 = self._pair_stages(cta, seg, pr)
@@ -435,17 +443,23 @@ class MLADecodePairsSM90(MLADecodeSM90):
     def _pair_pv_behind(self, cta: CTAContext, seg, acc_O: cute.Tensor, acc_S: cute.Tensor, acc_A: cute.Tensor,
                         acc_B: cute.Tensor, q_regs: cute.Tensor, sPw: cute.Tensor, sMax: cute.Tensor,
                         sAlpha: cute.Tensor, pr: Int32, m0: Float32, m1: Float32, l0: Float32, l1: Float32,
-                        behind: cutlass.Constexpr):
+                        k_cur: Int32, behind: cutlass.Constexpr):
         """Pair pr with P.V a pair behind (`DecodeConfig.pv_behind`): S and the softmax of this warpgroup's chunk,
         with P.V of pair pr - 1 (behind) issued a dim tile of a chunk at a time between P's words, so that the
         tensor pipe runs it while the softmax does not need it; then, once it is done, O^T's rescale for pair pr
         (whose P.V the next pair issues). O^T += P.V(pr - 1) followed by O^T *= alpha(pr) is the other forms'
         O^T *= alpha(pr - 1) followed by O^T += P.V(pr - 1), one pair later: the same operations on the same
-        values. Returns as `_pair`."""
+        values. With `s_under_rescale` the pair before (or the segment's start) issued S's first chain on the chunk
+        at k_cur, and this pair issues the next pair's once O^T is rescaled. Returns as `_pair`, and the address of
+        the next pair's chunk (k_cur where that chain is not issued here)."""
         lead = cta.tidx % WARPGROUP == 0
-        k_base = self._own_chunk_k_base(cta, seg, 2 * pr + cta.wg)
-        self._stamp(cta, lead, pr, 8 + 8 * cta.wg + 0)  # "chunk landed"
-        self._issue_qk_chains(acc_A, acc_B, q_regs, k_base, cta.q_addr)
+        if cutlass.const_expr(self.cfg.s_under_rescale):
+            if cutlass.const_expr(self.cfg.s_chains == 2):
+                self._issue_s(acc_B, k_cur, cta.q_addr, KV_DIM // 64, KV_DIM // 64, True, stepped_descriptors=True)
+        else:
+            k_cur = self._own_chunk_k_base(cta, seg, 2 * pr + cta.wg)
+            self._stamp(cta, lead, pr, 8 + 8 * cta.wg + 0)  # "chunk landed"
+            self._issue_qk_chains(acc_A, acc_B, q_regs, k_cur, cta.q_addr)
         self._sum_qk_chains(acc_S, acc_A, acc_B)
         self._stamp(cta, lead, pr, 8 + 8 * cta.wg + 1)  # "S done"
         pending = None
@@ -466,8 +480,19 @@ class MLADecodePairsSM90(MLADecodeSM90):
         self._wait_mma(acc_O)
         cute.arch.barrier(barrier_id=PAIR_WG_BAR + cta.wg, number_of_threads=WARPGROUP)
         self._rescale_o(acc_O, sAlpha[None, cta.wg], cta.lt, self.cfg.unit_rescale_skip)
+        if cutlass.const_expr(self.cfg.s_under_rescale):
+            # the first chain of the next pair's S (past the segment's last pair: on Q's own rows, masked whole), so
+            # that the tensor pipe runs it under the P barrier and the next pair's start (both chains here, 64
+            # registers beside O^T across the loop's edge, make ptxas spill); its chunk must have landed by now
+            k_cur = self._own_chunk_k_base(cta, seg, 2 * pr + 2 + cta.wg)
+            self._stamp(cta, lead, pr + 1, 8 + 8 * cta.wg + 0)  # "chunk landed" (the next pair's)
+            self._issue_qk_first(acc_A, q_regs, k_cur, cta.q_addr, self._s_first_steps())
         self._pass_p_barrier(cta, pr)
-        return new0, new1, l0 * alpha0 + csum0, l1 * alpha1 + csum1
+        return new0, new1, l0 * alpha0 + csum0, l1 * alpha1 + csum1, k_cur
+
+    def _s_first_steps(self) -> int:
+        """k32 steps of S's first chain: 9 of 18 with two chains, all with one (`DecodeConfig.s_chains`)."""
+        return KV_DIM // 64 * (3 - self.cfg.s_chains)
 
     @cute.jit
     def _pending_pv(self, cta: CTAContext, seg, pr: Int32):

@@ -51,7 +51,8 @@ for heads, q_len, page, lengths, options in [(128, 1, 64, [5, 129, 700], {}),
                                              (12, 8, 32, [8, 9, 700], {"s_ahead": True}),
                                              (16, 4, 64, [1, 65, 3000], {"s_ahead": True}),
                                              (16, 4, 64, [1, 65, 3000], {"pv_behind": 3, "kv_prefetch": 4}),
-                                             (12, 8, 32, [8, 9, 700], {"pv_behind": 2, "kv_prefetch": 2})]:
+                                             (12, 8, 32, [8, 9, 700], {"pv_behind": 2, "kv_prefetch": 2}),
+                                             (128, 1, 64, [5, 129, 700], {"pv_behind": 3, "s_under_rescale": True})]:
     run_chunk_pairs(heads, q_len, page, options,
                     *make_decode_inputs(lengths, q_len=q_len, num_heads=heads, page_size=page, device="cuda",
                                         extra_pages=0))

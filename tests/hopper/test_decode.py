@@ -204,6 +204,8 @@ PAIRS = {"chunk_pairs": True}
     # P.V a pair behind, under the next pair's softmax (pv_behind: its units in flight), with the other switches
     (128, 1, 64, {"pv_behind": 3}), (12, 8, 32, {"pv_behind": 2, "q_in_registers": True}),
     (16, 4, 64, {"pv_behind": 1, "s_chains": 1, "timeline": 0}),
+    (128, 1, 64, {"pv_behind": 3, "s_under_rescale": True}),
+    (12, 8, 32, {"pv_behind": 4, "s_under_rescale": True, "s_chains": 1, "timeline": 2}),
     (16, 4, 32, {"tile_tokens": 32, "pv_behind": 4, "unit_rescale_skip": True, "p_exp2_fma": 1}),
     # the chunks prefetched into L2 ahead of their boxes (kv_prefetch): whole- and half-chunk boxes, 48 rows
     (128, 1, 64, {"kv_prefetch": 2}), (16, 4, 32, {"tile_tokens": 32, "kv_prefetch": 8, "pv_behind": 2}),
@@ -288,6 +290,7 @@ def test_chunk_pairs_is_checked():
                              ({"pv_behind": 2, "own_chunk_first": True}, "pv_behind is a form"),
                              ({"pv_behind": 2, "early_rescale": True}, "pv_behind is a form"),
                              ({"pv_behind": 2, "chunk_pairs": False}, "pv_behind is a form"),
+                             ({"s_under_rescale": True}, "s_under_rescale is an order of pv_behind"),
                              ({"kv_prefetch": 9}, "kv_prefetch is 0"),
                              ({"kv_prefetch": 2, "chunk_pairs": False}, "kv_prefetch is 0")):
         with pytest.raises(ValueError, match=message):
@@ -341,6 +344,11 @@ QREGS = {"q_in_registers": True}
     # P.V a pair behind: at 64 rows as many units in flight as it allows, and at 48 beside Q's registers
     (128, 1, 64, 64, 1, {**PAIRS, "pv_behind": 4}), (16, 4, 64, None, 1, {**PAIRS, "pv_behind": 1, "p_exp2_fma": 2}),
     (12, 8, 32, None, 1, {**PAIRS, **QREGS, "pv_behind": 4}),
+    # the next pair's S issued before the P barrier: at 64 rows up to 3 units in flight (4 spill 8 bytes, and with
+    # the L2 prefetch one value spills 4), at 48 rows 4, and 2 beside Q's registers
+    (128, 1, 64, 64, 1, {**PAIRS, "pv_behind": 3, "s_under_rescale": True}),
+    (12, 8, 32, None, 1, {**PAIRS, "pv_behind": 4, "s_under_rescale": True}),
+    (12, 8, 32, None, 1, {**PAIRS, **QREGS, "pv_behind": 2, "s_under_rescale": True}),
     # the L2 prefetch in the load warpgroup's 40 registers: its farthest, half-chunk boxes (two pages a chunk)
     (128, 1, 64, 64, 1, {**PAIRS, "kv_prefetch": 8, "pv_behind": 3}),
     (16, 4, 64, None, 2, {**PAIRS, "kv_prefetch": 8, "kv_box_tokens": 32})])
@@ -459,6 +467,8 @@ GPU_CASES = [
      {**PAIRS, "pv_behind": 1, "p_planes": 1}),
     (16, 4, 64, 32, True, [4, 5, 64, 1500, 77], 9, {**PAIRS, "pv_behind": 2, "p_planes": 1, "s_chains": 1}),
     (12, 8, 32, 64, True, [8, 9, 100, 1000, 4000, 65], 9, {**PAIRS, "pv_behind": 4, "p_planes": 1}),
+    (64, 1, 64, 64, False, [1, 65, 129, 200, 64, 3, 1000, 4000, 130, 191, 257, 0], 5,
+     {**PAIRS, "pv_behind": 3, "s_under_rescale": True, "p_planes": 1}),
     # the chunks prefetched into L2 ahead of their boxes (kv_prefetch): tiles of 32, so chunks across pages
     (16, 4, 64, 32, True, [4, 5, 64, 1500, 77], 9, {**PAIRS, "kv_prefetch": 3}),
 ]
@@ -613,18 +623,20 @@ def test_s_ahead_changes_no_bit_gpu(num_heads, q_len, page_size, tile_tokens, op
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("pv_behind", [1, 2, 3, 4])
+@pytest.mark.parametrize("behind_options", [{"pv_behind": n} for n in (1, 2, 3, 4)]
+                         + [{"pv_behind": 2, "s_under_rescale": True}], ids=_options_id)
 @pytest.mark.parametrize("num_heads,q_len,page_size,tile_tokens,options", [
     (128, 1, 64, 64, {}), (16, 4, 64, 32, {"s_chains": 1}), (64, 1, 64, 64, {}), (12, 8, 32, 64, {}),
     (12, 8, 32, 64, {"q_in_registers": True})])
-def test_pv_behind_changes_no_bit_gpu(num_heads, q_len, page_size, tile_tokens, options, pv_behind):
+def test_pv_behind_changes_no_bit_gpu(num_heads, q_len, page_size, tile_tokens, options, behind_options):
     """P.V a pair behind (`pv_behind`, one P plane) adds each pair's P.V and rescales O^T in the same order on the
     same values as phase after phase, one pair later: every output and lse bit is the same, over segments of odd
-    and even chunk counts, whatever number of its units are in flight."""
+    and even chunk counts, whatever number of its units are in flight, and with the next pair's S issued before
+    the P barrier (`s_under_rescale`)."""
     from mla_backend.config import decode_config
 
-    phases, behind = (decode_config(num_heads, q_len, page_size, tile_tokens=tile_tokens, p_planes=1,
-                                    pv_behind=n, **PAIRS, **options) for n in (0, pv_behind))
+    phases, behind = (decode_config(num_heads, q_len, page_size, tile_tokens=tile_tokens, p_planes=1, **PAIRS,
+                                    **options, **extra) for extra in ({}, behind_options))
     _assert_launches_agree(phases, behind, [1, 700, 3000, 64, 20000, 129, 0, 4100], seed=19, num_ctas=10,
                            tile_tokens=tile_tokens)
 
