@@ -37,8 +37,9 @@ Three forms (`DecodeConfig.s_ahead`, `DecodeConfig.pv_behind`):
   need it; once it is done O^T is rescaled for pair p (`_pair_pv_behind`). O^T += P.V(p - 1), O^T *= alpha(p) is
   the first form's order one pair later. P is double-buffered by pair, and a pair's stages are released during
   the next pair, as its P.V loads their V^T: the load of pair p + 1 then has less than a pair to land. With
-  `s_under_rescale` S(p + 1) is issued before the rescale and the P barrier (past the segment's last pair on Q's
-  own rows, masked whole, as with S ahead), so that the tensor pipe is not idle through them.
+  `s_under_rescale` the first chain of S(p + 1) is issued once O^T is rescaled, before the P barrier (past the
+  segment's last pair on Q's own rows, masked whole, as with S ahead), so that the tensor pipe is not idle
+  through that barrier and the next pair's start.
 
 The third warpgroup only loads. Its warp 0 issues each chunk's TMA boxes onto the stage's "landed" mbarrier once the
 stage's "read" mbarrier says both P.V warpgroups are done with the chunk it held (every thread of both arrives after
