@@ -130,8 +130,8 @@ class DecodeConfig:
     beside P's exp2 instead of after the P barrier; `pv_behind` (research, 1-4; one P plane, 4 stages) runs each
     pair's P.V during the next pair, a dim tile of a chunk at a time between its P's words with at most that many
     in flight, so that the tensor pipe has work while the softmax runs (the same arithmetic in the same order),
-    and with `s_under_rescale` (research) issues the first chain of the next pair's S before the P barrier instead
-    of after it; `kv_prefetch` (research, 0-8) has its load warp prefetch the chunk that many ahead of each TMA
+    and with `s_under_rescale` (research) issues the next pair's S (at 64 rows its first chain) before the P
+    barrier instead of after it; `kv_prefetch` (research, 0-8) has its load warp prefetch the chunk that many ahead of each TMA
     load into L2 (`ptx.prefetch_l2_bulk`), before it waits for that load's stage. `poison_smem` (a check for tests) sets
     every byte of the CTA's shared memory to 0xFF (NaN as e4m3, fp16 and fp32) before the kernel uses it: a read of
     shared memory that the launch did not write, whose value would otherwise be whatever the SM's previous kernel

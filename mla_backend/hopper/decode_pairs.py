@@ -37,9 +37,9 @@ Three forms (`DecodeConfig.s_ahead`, `DecodeConfig.pv_behind`):
   need it; once it is done O^T is rescaled for pair p (`_pair_pv_behind`). O^T += P.V(p - 1), O^T *= alpha(p) is
   the first form's order one pair later. P is double-buffered by pair, and a pair's stages are released during
   the next pair, as its P.V loads their V^T: the load of pair p + 1 then has less than a pair to land. With
-  `s_under_rescale` the first chain of S(p + 1) is issued once O^T is rescaled, before the P barrier (past the
-  segment's last pair on Q's own rows, masked whole, as with S ahead), so that the tensor pipe is not idle
-  through that barrier and the next pair's start.
+  `s_under_rescale` S(p + 1) is issued once O^T is rescaled, before the P barrier (at 64 rows its first chain
+  only; past the segment's last pair on Q's own rows, masked whole, as with S ahead), so that the tensor pipe is
+  not idle through that barrier and the next pair's start.
 
 The third warpgroup only loads. Its warp 0 issues each chunk's TMA boxes onto the stage's "landed" mbarrier once the
 stage's "read" mbarrier says both P.V warpgroups are done with the chunk it held (every thread of both arrives after
@@ -310,7 +310,7 @@ class MLADecodePairsSM90(MLADecodeSM90):
                 if n_pairs > 0:
                     if cutlass.const_expr(self.cfg.s_under_rescale):  # (later pairs': the pair before issues it)
                         k_cur = self._own_chunk_k_base(cta, seg, cta.wg)
-                        self._issue_qk_first(acc_A, q_regs, k_cur, cta.q_addr, self._s_first_steps())
+                        self._issue_s_under_rescale(acc_A, acc_B, q_regs, k_cur, cta.q_addr)
                     m0, m1, l0, l1, k_cur = self._pair_pv_behind(cta, seg, acc_O, acc_S, acc_A, acc_B, q_regs, sPw,
                                                                  sMax, sAlpha, Int32(0), m0, m1, l0, l1, k_cur,
                                                                  False)
@@ -455,7 +455,7 @@ class MLADecodePairsSM90(MLADecodeSM90):
         the next pair's chunk (k_cur where that chain is not issued here)."""
         lead = cta.tidx % WARPGROUP == 0
         if cutlass.const_expr(self.cfg.s_under_rescale):
-            if cutlass.const_expr(self.cfg.s_chains == 2):
+            if cutlass.const_expr(self.cfg.s_chains == 2 and not self._both_chains_under_rescale()):
                 self._issue_s(acc_B, k_cur, cta.q_addr, KV_DIM // 64, KV_DIM // 64, True, stepped_descriptors=True)
         else:
             k_cur = self._own_chunk_k_base(cta, seg, 2 * pr + cta.wg)
@@ -482,14 +482,30 @@ class MLADecodePairsSM90(MLADecodeSM90):
         cute.arch.barrier(barrier_id=PAIR_WG_BAR + cta.wg, number_of_threads=WARPGROUP)
         self._rescale_o(acc_O, sAlpha[None, cta.wg], cta.lt, self.cfg.unit_rescale_skip)
         if cutlass.const_expr(self.cfg.s_under_rescale):
-            # the first chain of the next pair's S (past the segment's last pair: on Q's own rows, masked whole), so
-            # that the tensor pipe runs it under the P barrier and the next pair's start (both chains here, 64
-            # registers beside O^T across the loop's edge, make ptxas spill); its chunk must have landed by now
+            # the next pair's S (past the segment's last pair: on Q's own rows, masked whole), so that the tensor
+            # pipe runs it under the P barrier and the next pair's start; its chunk must have landed by now
             k_cur = self._own_chunk_k_base(cta, seg, 2 * pr + 2 + cta.wg)
             self._stamp(cta, lead, pr + 1, 8 + 8 * cta.wg + 0)  # "chunk landed" (the next pair's)
-            self._issue_qk_first(acc_A, q_regs, k_cur, cta.q_addr, self._s_first_steps())
+            self._issue_s_under_rescale(acc_A, acc_B, q_regs, k_cur, cta.q_addr)
         self._pass_p_barrier(cta, pr)
         return new0, new1, l0 * alpha0 + csum0, l1 * alpha1 + csum1, k_cur
+
+    def _both_chains_under_rescale(self) -> bool:
+        """With `s_under_rescale`, whether both of the next S's chains are issued before the P barrier: at 48 rows
+        (O^T 96 registers) without Q in registers; at 64 rows their 64 registers beside O^T across the loop's edge
+        make ptxas spill 40 bytes and serialise the wgmmas, and beside Q's registers at 48 rows serialise them, so
+        there the first chain only (the second at the next pair's start)."""
+        return self.rows < S_ROWS and self.k_steps_regs == 0 and self.cfg.s_chains == 2
+
+    @cute.jit
+    def _issue_s_under_rescale(self, acc_A: cute.Tensor, acc_B: cute.Tensor, q_regs: cute.Tensor, k_base: Int32,
+                               q_addr: Int32):
+        """What `s_under_rescale` issues of the S of the chunk at k_base before the P barrier: both chains, or the
+        first (`_both_chains_under_rescale`)."""
+        if cutlass.const_expr(self._both_chains_under_rescale()):
+            self._issue_qk_chains(acc_A, acc_B, q_regs, k_base, q_addr)
+        else:
+            self._issue_qk_first(acc_A, q_regs, k_base, q_addr, self._s_first_steps())
 
     def _s_first_steps(self) -> int:
         """k32 steps of S's first chain: 9 of 18 with two chains, all with one (`DecodeConfig.s_chains`)."""

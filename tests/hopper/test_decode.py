@@ -344,8 +344,9 @@ QREGS = {"q_in_registers": True}
     # P.V a pair behind: at 64 rows as many units in flight as it allows, and at 48 beside Q's registers
     (128, 1, 64, 64, 1, {**PAIRS, "pv_behind": 4}), (16, 4, 64, None, 1, {**PAIRS, "pv_behind": 1, "p_exp2_fma": 2}),
     (12, 8, 32, None, 1, {**PAIRS, **QREGS, "pv_behind": 4}),
-    # the next pair's S issued before the P barrier: at 64 rows up to 3 units in flight (4 spill 8 bytes, and with
-    # the L2 prefetch one value spills 4), at 48 rows 4, and 2 beside Q's registers
+    # the next pair's S issued before the P barrier: at 64 rows its first chain with up to 3 units in flight (4 spill
+    # 8 bytes, and with the L2 prefetch one value spills 4), at 48 rows both chains with 4, the first beside Q's
+    # registers with 2
     (128, 1, 64, 64, 1, {**PAIRS, "pv_behind": 3, "s_under_rescale": True}),
     (12, 8, 32, None, 1, {**PAIRS, "pv_behind": 4, "s_under_rescale": True}),
     (12, 8, 32, None, 1, {**PAIRS, **QREGS, "pv_behind": 2, "s_under_rescale": True}),
