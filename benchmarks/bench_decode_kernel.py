@@ -31,7 +31,7 @@ bench` is the decode-step benchmark (planner and combine included, CUDA graphs).
 
 The L2 is not emptied between launches here. A change to how the KV reaches shared memory can measure
 differently as a step: the ping-pong's L2::128B copy hint gained 2-4% here and 4-13% in the step
-(docs/performance.md), so confirm such changes with the step benchmark.
+(docs/experiments.md), so confirm such changes with the step benchmark.
 """
 
 from __future__ import annotations
