@@ -98,6 +98,9 @@ KV_BOX_TOKENS = (32, 64)
 # ("whole"), or a dim tile at a time, the multiplies of the next tile under the wgmmas of this one ("per_tile";
 # `default_pv_order`).
 PV_ORDERS = ("whole", "per_tile")
+# Bytes a row of the rope's block in the ring and Q (`DecodeConfig.rope_rows`): 128 (its own 128B-swizzled rows, the
+# last 64 bytes zero, like the latent's four blocks) or 64 (64B-swizzled rows of its 64 bytes).
+ROPE_ROWS = (128, 64)
 TIMELINE_CHUNKS = 40  # chunks stamped per CTA by a timeline build (benchmarks/timeline_decode.py)
 
 
@@ -132,7 +135,12 @@ class DecodeConfig:
     in flight, so that the tensor pipe has work while the softmax runs (the same arithmetic in the same order),
     and with `s_under_rescale` (research) issues the next pair's S (at 64 rows its first chain) before the P
     barrier instead of after it; `kv_prefetch` (research, 0-8) has its load warp prefetch the chunk that many ahead of each TMA
-    load into L2 (`ptx.prefetch_l2_bulk`), before it waits for that load's stage. `poison_smem` (a check for tests) sets
+    load into L2 (`ptx.prefetch_l2_bulk`), before it waits for that load's stage. `rope_rows` (research, 64; the
+    chunk_pairs schedule with whole-chunk boxes) keeps the rope of the ring's chunks and of Q in 64-byte rows in
+    the 64B swizzle instead of 128-byte rows half zero (36 KB stages instead of 40), and `p_after_pv` (research,
+    with pv_behind) keeps each pair's P words in registers until P.V of the pair before is done in both MMA
+    warpgroups and stores them then, into one pair's P buffers instead of two pairs': with both, 5 ring stages fit
+    at 64 rows. `poison_smem` (a check for tests) sets
     every byte of the CTA's shared memory to 0xFF (NaN as e4m3, fp16 and fp32) before the kernel uses it: a read of
     shared memory that the launch did not write, whose value would otherwise be whatever the SM's previous kernel
     left there, then shows in the outputs. `skip` and `timeline` are research builds (benchmarks/): `skip` leaves
@@ -170,6 +178,8 @@ class DecodeConfig:
     pv_behind: int = 0
     s_under_rescale: bool = False
     kv_prefetch: int = 0
+    rope_rows: int = 128
+    p_after_pv: bool = False
 
     def __post_init__(self):
         if self.page_size <= 0 or self.page_size & (self.page_size - 1):
@@ -249,6 +259,13 @@ class DecodeConfig:
         if not 0 <= self.kv_prefetch <= 8 or (self.kv_prefetch and not self.chunk_pairs):
             raise ValueError(f"kv_prefetch is 0 (off) to 8 (chunks ahead of its TMA load prefetched into L2) in the "
                              f"chunk_pairs schedule, got {self.kv_prefetch}")
+        if self.rope_rows not in ROPE_ROWS or (self.rope_rows != ROPE_ROWS[0] and not (self.chunk_pairs and
+                                                                                    self.kv_box_tokens == 64)):
+            raise ValueError(f"rope_rows is one of {ROPE_ROWS} (bytes a row of the rope's block), and 64 a layout of "
+                             f"the chunk_pairs schedule with whole-chunk boxes (kv_box_tokens=64), got "
+                             f"{self.rope_rows}")
+        if self.p_after_pv and not self.pv_behind:
+            raise ValueError("p_after_pv is an order of pv_behind")
         unknown = set(self.skip) - set(DECODE_PARTS)
         if unknown:
             raise ValueError(f"skip names unknown parts {sorted(unknown)}; known: {', '.join(DECODE_PARTS)}")

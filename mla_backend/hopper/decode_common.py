@@ -23,8 +23,8 @@ from cutlass.cute.nvgpu import cpasync
 
 from ..config import TIMELINE_CHUNKS, DecodeConfig
 from ..shapes import KV_DIM
-from .decode_layout import (CHUNK, FP8, LOG2E, SM90_SMEM_CAPACITY, SOFTMAX_THREADS, V_DIM, q_layout, ring_layout,
-                            smem_region_bytes)
+from .decode_layout import (CHUNK, FP8, LOG2E, ROPE_OFFSET_ROWS, SM90_SMEM_CAPACITY, SOFTMAX_THREADS, V_DIM,
+                            q_layout, q_rope_layout, ring_layout, ring_rope_layout, smem_region_bytes)
 from .decode_mma import DecodeMMA
 from .epilogue import DecodeEpilogue
 from .launch import pdl_prologue
@@ -214,6 +214,13 @@ class MLADecodeSM90(PagedKVLoads, OnlineSoftmax, DecodeMMA, DecodeEpilogue):
             self._poison_smem(storage, tidx)
         zero16 = cute.make_rmem_tensor(cute.make_layout((16,)), FP8)
         zero16.fill(0.0)
+        rope_ring = None  # the rope's 64B-swizzled blocks of the ring and Q (`DecodeConfig.rope_rows` 64)
+        rope_q = None
+        if cutlass.const_expr(self.cfg.rope_rows != 128):
+            rope_ring = cute.make_tensor(storage.ring.data_ptr() + CHUNK * ROPE_OFFSET_ROWS,
+                                         ring_rope_layout(self.cfg.num_stages))
+            rope_q = cute.make_tensor(storage.q.data_ptr() + self.q_rows * ROPE_OFFSET_ROWS,
+                                      q_rope_layout(self.q_rows))
         tl_base = None
         tl_on = None
         if cutlass.const_expr(self.cfg.timeline is not None):
@@ -229,8 +236,9 @@ class MLADecodeSM90(PagedKVLoads, OnlineSoftmax, DecodeMMA, DecodeEpilogue):
             tma_atom=tma_atom, tma_kv=tma_kv, tma_atom_latent=tma_atom_latent, tma_latent=tma_latent,
             tidx=tidx, cta=cta, row0=row0, lane=lane, lg=lane // 4, lt=lane % 4, wg=warp_idx // 4,
             wl=warp_idx % 4, k_scale=k_scale, scale_log2=scale_log2, storage=storage,
-            sRing=storage.ring.get_tensor(ring_layout(self.cfg.num_stages)),
-            sQ8=storage.q.get_tensor(q_layout(self.q_rows)),
+            sRing=storage.ring.get_tensor(ring_layout(self.cfg.num_stages, self.cfg.rope_rows)),
+            sQ8=storage.q.get_tensor(q_layout(self.q_rows, self.cfg.rope_rows)),
+            sRingRope=rope_ring, sQRope=rope_q,
             sInvL=storage.inv_l.get_tensor(cute.make_layout((self.rows,))),
             ring_addr=storage.ring.data_ptr().toint(), q_addr=storage.q.data_ptr().toint(),
             # the last query position among this block's rows that exist (for causal trimming)

@@ -23,7 +23,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 
 from ..shapes import KV_DIM
-from .decode_layout import CHUNK, KV_BLOCKS, P_LBO, P_SBO
+from .decode_layout import CHUNK, KV_BLOCKS, LATENT_BLOCKS, P_LBO, P_SBO
 from .ptx import (fence_operand, ldmatrix_x4, prmt, smem_desc_lo, wgmma_commit, wgmma_fence, wgmma_rs_e4m3,
                   wgmma_ss_e4m3, wgmma_ss_e4m3_desc, wgmma_wait)
 
@@ -40,8 +40,9 @@ class DecodeMMA:
         any block of 64 rows x 576 bytes in the ring's layout) over the k32 steps [k0, k0 + ksteps) of the 576
         bytes, the first from zero (or, not from_zero, onto what acc_S holds); with rows_as_m S = Q.K^T (64 rows:
         Q is A, the chunk's tokens N). stepped_descriptors: each operand's descriptor word made once and stepped
-        by a constant (`ptx.smem_desc_lo`), for a caller whose k_base and q_addr are warp-uniform. (A research
-        build without S issues no wgmma.)"""
+        by a constant (`ptx.smem_desc_lo`), for a caller whose k_base and q_addr are warp-uniform. With
+        `DecodeConfig.rope_rows` 64 the rope's k32 steps (16 and 17) read both operands in the 64B swizzle. (A
+        research build without S issues no wgmma.)"""
         C = CHUNK
         ROWS = self.rows
         n_acc = (C if rows_as_m else ROWS) // 2
@@ -53,16 +54,18 @@ class DecodeMMA:
             kb = ks // 4
             koff = (ks % 4) * 32
             accumulate = 0 if kk == 0 and from_zero else 1
+            # the rope's block (kb 4) at the same offset either way: the latent's 4 blocks x rows x 128 bytes
+            rope64 = self.cfg.rope_rows == 64 and kb == LATENT_BLOCKS
             if cutlass.const_expr(stepped_descriptors):
                 k_desc = k_lo + ((kb * (C * 128) + koff) >> 4)
                 q_desc = q_lo + ((kb * (self.q_rows * 128) + koff) >> 4)  # Q's blocks: its buffer's rows x 128 B
                 d = wgmma_ss_e4m3_desc(q_desc if rows_as_m else k_desc, k_desc if rows_as_m else q_desc,
-                                       [acc_S[i] for i in range(n_acc)], accumulate)
+                                       [acc_S[i] for i in range(n_acc)], accumulate, swizzle64=rope64)
             else:
                 k_addr = k_base + kb * (C * 128) + koff
                 q_step = q_addr + kb * (self.q_rows * 128) + koff  # Q's blocks are its buffer's rows x 128 bytes
                 d = wgmma_ss_e4m3(q_step if rows_as_m else k_addr, k_addr if rows_as_m else q_step,
-                                  [acc_S[i] for i in range(n_acc)], accumulate)
+                                  [acc_S[i] for i in range(n_acc)], accumulate, swizzle64=rope64)
             for i in cutlass.range_constexpr(n_acc):
                 acc_S[i] = d[i]
         wgmma_commit()

@@ -52,7 +52,17 @@ the warpgroup that computes its S, before that S (both warpgroups read its V^T o
 past the segment's end (warpgroup 1's in a pair that has one chunk, and with S ahead the pair after the last) still
 has its S issued, with Q's own rows as the B operand (no wgmma is issued under a branch, which would make ptxas
 serialise them all) and every token masked: its P is zero and its maxima -inf, and its P.V pairs that zero P with
-the first chunk's V^T. The ring has 4 stages: one pair computed while the next lands.
+the first chunk's V^T. The ring has 4 stages: one pair computed while the next lands (5 with the deeper
+ring, below).
+
+Deeper ring (research). With 4 stages and P.V a pair behind, the chunks of pair p + 2 are loaded into the stages
+pair p's P.V releases during pair p + 1, so they have less than a pair to land (the second chunk about 0.4 of
+one). `rope_rows` 64 keeps the rope's block of a stage and of Q in 64-byte rows in the 64B swizzle (its own TMA
+box, Q's copies, S's two rope k32 steps with 64B-swizzled descriptors, the zeroed tails): 36 KB a stage instead
+of 40. `p_after_pv` keeps a pair's P words (8 registers a thread) until P.V of the pair before is done in both
+warpgroups (`PAIR_PV_DONE_BAR`, which also orders the alphas) and stores them then, so one pair's P buffers
+serve: with both, 5 stages fit at 64 rows (ring 180 KB, Q 36, P 8), and a stage is refilled with a chunk of
+the pair after next or later.
 
 48-row blocks (H12 q_len 4 and 8): S keeps wgmma's 64 rows as M, Q padded with zero rows (its buffer holds 64,
 `q_rows`); warp 3 of each MMA warpgroup holds only padding rows, which see no token and store no maxima, P,
@@ -86,10 +96,10 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 
 from ..shapes import KV_DIM
-from .barriers import PAIR_MAX_BAR, PAIR_P_BAR, PAIR_Q_BAR, PAIR_SUM_BAR, PAIR_WG_BAR
+from .barriers import PAIR_MAX_BAR, PAIR_P_BAR, PAIR_PV_DONE_BAR, PAIR_Q_BAR, PAIR_SUM_BAR, PAIR_WG_BAR
 from .decode_common import CTAContext, MLADecodeSM90
-from .decode_layout import (CHUNK, KV_BLOCKS, SOFTMAX_THREADS, WARPGROUP, p_buffer_bytes, p_words_layout,
-                            smem_region_bytes)
+from .decode_layout import (CHUNK, SOFTMAX_THREADS, WARPGROUP, p_buffer_bytes, p_words_layout, q_bytes,
+                            smem_region_bytes, stage_bytes)
 from .ptx import (exp2_fma, fence_operand, fence_proxy_async_smem, quantize_p_e4m3, quantize_p_hi_lo,
                   wgmma_commit, wgmma_fence, wgmma_wait)
 
@@ -97,7 +107,6 @@ PAIRS_REGS_MMA, PAIRS_REGS_LOAD = 232, 40
 # A launch's registers a thread triple (3 x 168): what the MMA warpgroups' budget (`DecodeConfig.mma_registers`)
 # leaves the load warpgroup
 PAIRS_REGS_TRIPLE = 2 * PAIRS_REGS_MMA + PAIRS_REGS_LOAD
-STAGE_BYTES = CHUNK * 128 * KV_BLOCKS
 QUAD = 4  # the lanes of a quad hold one accumulator row
 S_ROWS = 64  # wgmma's M: S's rows, the block's (48 or 64) and zero padding
 # Q's blocks of S_ROWS rows and the ring's of CHUNK tokens share one stride, so S's B operand may be either (the
@@ -152,8 +161,8 @@ class MLADecodePairsSM90(MLADecodeSM90):
     def smem_regions(self) -> dict:
         """As the other schedules', with Q padded to S's 64 rows and the S^T region holding only the two
         warpgroups' chunk maxima (row, warpgroup)."""
-        regions = smem_region_bytes(self.rows, self.cfg.num_stages, self.cfg.p_planes)
-        regions["q"] = S_ROWS * 128 * KV_BLOCKS
+        regions = smem_region_bytes(self.rows, self.cfg.num_stages, self.cfg.p_planes, self.cfg.rope_rows)
+        regions["q"] = q_bytes(S_ROWS, self.cfg.rope_rows)
         regions["s"] = 2 * self.rows * 4
         regions["p"] = self.p_buffers * p_buffer_bytes(self.rows, self.cfg.p_planes)
         return regions
@@ -161,8 +170,19 @@ class MLADecodePairsSM90(MLADecodeSM90):
     @property
     def p_buffers(self) -> int:
         """P buffers of a chunk each: a pair's two, or with P.V a pair behind two pairs' (`pv_behind`): the P a
-        pair's softmax writes while the previous pair's P.V reads its own."""
-        return 4 if self.cfg.pv_behind else 2
+        pair's softmax writes while the previous pair's P.V reads its own; with `p_after_pv` one pair's again (P
+        stored once that P.V is done)."""
+        return 4 if self.cfg.pv_behind and not self.cfg.p_after_pv else 2
+
+    @property
+    def stage_bytes(self) -> int:
+        """Bytes of a ring stage (`decode_layout.stage_bytes`, `DecodeConfig.rope_rows`)."""
+        return stage_bytes(self.cfg.rope_rows)
+
+    def _p_buffer(self, c: int, pr: Int32):
+        """The P buffer of pair pr's chunk c (0, 1): a pair's own pair of buffers, or of two alternating
+        (`p_buffers`)."""
+        return c + 2 * (pr % 2) if self.p_buffers == 4 else c
 
     @cute.jit
     def _schedule(self, cta: CTAContext):
@@ -361,7 +381,7 @@ class MLADecodePairsSM90(MLADecodeSM90):
         first = cta.wg if self.cfg.own_chunk_first else 0
         stage_a = stage0 + first * (stage1 - stage0)
         stage_b = stage1 + first * (stage0 - stage1)
-        a0 = self._load_vt(cta.ring_addr + stage_a * STAGE_BYTES, cta.wg * 4, cta.wl, cta.lane)
+        a0 = self._load_vt(cta.ring_addr + stage_a * self.stage_bytes, cta.wg * 4, cta.wl, cta.lane)
         if cutlass.const_expr(self.cfg.early_rescale):
             # the alphas first, past a barrier of this warpgroup alone (its O^T rows are other threads' S rows), so
             # that O^T's rescale (FMA pipe) runs beside P's exp2 (MUFU) instead of between the P barrier and P.V:
@@ -379,7 +399,7 @@ class MLADecodePairsSM90(MLADecodeSM90):
         p_addr = cta.storage.p.data_ptr().toint()
         p_bytes = p_buffer_bytes(self.rows, self.cfg.p_planes)
         self._issue_pv_regs(acc_O, a0, p_addr + first * p_bytes, 0)
-        stage_b_addr = cta.ring_addr + stage_b * STAGE_BYTES
+        stage_b_addr = cta.ring_addr + stage_b * self.stage_bytes
         under = PAIRS_VT_TILES_UNDER_PV[self.rows, self.register_budgets()[0], self.cfg.p_planes]
         a1 = self._load_vt(stage_b_addr, cta.wg * 4, cta.wl, cta.lane, under)
         if cutlass.const_expr(self.cfg.own_chunk_first):
@@ -417,7 +437,7 @@ class MLADecodePairsSM90(MLADecodeSM90):
         p_addr = cta.storage.p.data_ptr().toint()
         bars = cta.storage.kv_full.data_ptr()
         NS = self.cfg.num_stages
-        a0 = self._load_vt(cta.ring_addr + stage0 * STAGE_BYTES, cta.wg * 4, cta.wl, cta.lane)
+        a0 = self._load_vt(cta.ring_addr + stage0 * self.stage_bytes, cta.wg * 4, cta.wl, cta.lane)
         if has_c1:  # (a missing second chunk reads chunk c0's V^T again below)
             cute.arch.mbarrier_arrive(bars + NS + stage0)
         self._stamp(cta, lead, pr, 8 + 8 * cta.wg + 4)  # "V^T loaded" (the first chunk's)
@@ -426,12 +446,12 @@ class MLADecodePairsSM90(MLADecodeSM90):
         if cutlass.const_expr(self.rows < S_ROWS and self.k_steps_regs == 0):
             # 48 rows: beside O^T's 96 registers the second chunk's V^T fits while the first's is in flight, so it
             # loads under P.V(c0) (ptxas spills for it at 64 rows, 52 bytes, and with Q in registers, 60)
-            a1 = self._load_vt(cta.ring_addr + stage1 * STAGE_BYTES, cta.wg * 4, cta.wl, cta.lane)
+            a1 = self._load_vt(cta.ring_addr + stage1 * self.stage_bytes, cta.wg * 4, cta.wl, cta.lane)
             cute.arch.mbarrier_arrive(bars + NS + stage1)  # stage0 where the second chunk is missing
             self._wait_mma(acc_O)  # the next S's first chain and P.V(c0)
         else:
             self._wait_mma(acc_O)  # the next S's first chain and P.V(c0): a0's registers are free
-            a1 = self._load_vt(cta.ring_addr + stage1 * STAGE_BYTES, cta.wg * 4, cta.wl, cta.lane)
+            a1 = self._load_vt(cta.ring_addr + stage1 * self.stage_bytes, cta.wg * 4, cta.wl, cta.lane)
             cute.arch.mbarrier_arrive(bars + NS + stage1)  # stage0 where the second chunk is missing
         self._issue_pv_regs(acc_O, a1, p_addr + p_buffer_bytes(self.rows, self.cfg.p_planes), 0)
         self._stamp(cta, lead, pr, 8 + 8 * cta.wg + 5)  # "P.V issued"
@@ -475,11 +495,25 @@ class MLADecodePairsSM90(MLADecodeSM90):
         # blocks) compute their (zero) P without storing it, so that every warp issues the same wgmmas
         between = (lambda i: self._pv_behind_unit(cta, acc_O, pending, i + PV_UNITS_BEFORE_MAXIMA)) if behind \
             else None
-        csum0, csum1 = self._write_p(acc_S, sPw, cta.scale_log2, use0, use1, 16 * cta.wl + cta.lg, cta.lt,
-                                     cta.wg + 2 * (pr % 2), between, self._block_rows(cta))
+        late = self.cfg.p_after_pv  # P's words kept in registers, stored once P.V(pr - 1) is done in both
+        words = [] if late else None
+        r0 = 16 * cta.wl + cta.lg
+        buf = self._p_buffer(cta.wg, pr)
+        csum0, csum1 = self._write_p(acc_S, sPw, cta.scale_log2, use0, use1, r0, cta.lt, buf, between,
+                                     False if late else self._block_rows(cta), words)
         # P.V(pr - 1) done: O^T may be rescaled (its rows' alphas, written by other threads of the warpgroup)
         self._wait_mma(acc_O)
-        cute.arch.barrier(barrier_id=PAIR_WG_BAR + cta.wg, number_of_threads=WARPGROUP)
+        if cutlass.const_expr(late):
+            # ... in both warpgroups: the P buffers it read are this pair's (the barrier also orders the alphas)
+            cute.arch.barrier(barrier_id=PAIR_PV_DONE_BAR, number_of_threads=SOFTMAX_THREADS)
+            if cutlass.const_expr(len(words) > 0):  # (a research build without the softmax computes none)
+                if self._block_rows(cta):
+                    for k in cutlass.range_constexpr(CHUNK // 16):
+                        for h in cutlass.range_constexpr(2):
+                            sPw[4 * k + cta.lt, r0 + 8 * h, 0, buf] = words[2 * k + h]
+            fence_proxy_async_smem()  # P is a wgmma operand
+        else:
+            cute.arch.barrier(barrier_id=PAIR_WG_BAR + cta.wg, number_of_threads=WARPGROUP)
         self._rescale_o(acc_O, sAlpha[None, cta.wg], cta.lt, self.cfg.unit_rescale_skip)
         if cutlass.const_expr(self.cfg.s_under_rescale):
             # the next pair's S (past the segment's last pair: on Q's own rows, masked whole), so that the tensor
@@ -517,16 +551,17 @@ class MLADecodePairsSM90(MLADecodeSM90):
         its P buffers (2 (pr % 2) and + 1); its timeline stamps are those of pair pr + 1, which issues it."""
         stage0, stage1, has_c1 = self._pair_stages(cta, seg, pr)
         p_bytes = p_buffer_bytes(self.rows, self.cfg.p_planes)
-        p_addr = cta.storage.p.data_ptr().toint() + 2 * (pr % 2) * p_bytes
+        p_addr = cta.storage.p.data_ptr().toint() + self._p_buffer(0, pr) * p_bytes
         return PairSegment(stamp_pair=pr + 1, stage0=stage0, stage1=stage1, has_c1=has_c1, p0=p_addr,
                            p1=p_addr + p_bytes)
 
     @cute.jit
     def _pv_behind_unit(self, cta: CTAContext, acc_O: cute.Tensor, pending, u: cutlass.Constexpr):
         """Unit u of a pending P.V (`_pending_pv`): dim tile u % 4 of this warpgroup's 4, chunk u // 4 (a missing
-        second chunk: zero P against the first's V^T); its V^T registers, loaded once all but the newest earlier
-        unit are done (theirs are then free), and its wgmmas as a commit group of their own. Each chunk's stage is
-        released once its last V^T is loaded."""
+        second chunk: zero P against the first's V^T); its V^T registers, loaded once at most pv_behind - 1 commit
+        groups are in flight (the units' before it but the newest: their registers are then free; an S issued
+        before them counts too), and its wgmmas as a commit group of their own. Each chunk's stage is released once
+        its last V^T is loaded."""
         if cutlass.const_expr(u < PV_UNITS):
             NS = self.cfg.num_stages
             bars = cta.storage.kv_full.data_ptr()
@@ -534,7 +569,7 @@ class MLADecodePairsSM90(MLADecodeSM90):
             stage = pending.stage0 if c == 0 else pending.stage1
             if cutlass.const_expr(u >= self.cfg.pv_behind):
                 wgmma_wait(self.cfg.pv_behind - 1)
-            a = self._load_vt(cta.ring_addr + stage * STAGE_BYTES, cta.wg * 4 + t, cta.wl, cta.lane, 1)
+            a = self._load_vt(cta.ring_addr + stage * self.stage_bytes, cta.wg * 4 + t, cta.wl, cta.lane, 1)
             if cutlass.const_expr(u == 3):
                 if pending.has_c1:  # (else the second chunk reads the first's stage again)
                     cute.arch.mbarrier_arrive(bars + NS + pending.stage0)
@@ -563,10 +598,11 @@ class MLADecodePairsSM90(MLADecodeSM90):
             n_valid = seg.tok_end - (seg.tok_begin + c * C)
             if n_valid < C:
                 # the segment's last chunk ends inside a loaded page: zero the rest before S and V^T read it
-                self._zero_tail_tokens(cta.sRing, cta.zero16, n_valid, stage, cta.tidx % WARPGROUP, WARPGROUP)
+                self._zero_tail_tokens(cta.sRing, cta.zero16, n_valid, stage, cta.tidx % WARPGROUP, WARPGROUP,
+                                       cta.sRingRope)
                 fence_proxy_async_smem()
                 cute.arch.barrier(barrier_id=PAIR_WG_BAR + cta.wg, number_of_threads=WARPGROUP)
-            k_base = cta.ring_addr + stage * STAGE_BYTES
+            k_base = cta.ring_addr + stage * self.stage_bytes
         return k_base
 
     @cute.jit
@@ -748,13 +784,14 @@ class MLADecodePairsSM90(MLADecodeSM90):
 
     @cute.jit
     def _write_p(self, acc_S: cute.Tensor, sPw: cute.Tensor, scale_log2: Float32, use0: Float32, use1: Float32,
-                 r0: Int32, lt: Int32, buf: Int32, between=None, store=True):
+                 r0: Int32, lt: Int32, buf: Int32, between=None, store=True, words=None):
         """P = exp2(s x scale_log2 - max) of this thread's values of rows r0 and r0 + 8 as e4m3 words (x p_scale;
         one plane, or hi and lo) into P buffer buf: word 4k + lt of a row is tokens 16k + 2lt + (0, 1, 8, 9), the
         pi order of the P.V A registers (`decode_mma`), which are this thread's acc_S[8k + (0, 1, 4, 5)] (row r0)
-        and [8k + (2, 3, 6, 7)] (row r0 + 8); nothing is stored where store is false. between(i), where given, is
-        traced after word i of the thread's 8 (`_pair_pv_behind`). Returns the thread's sums of the two rows'
-        p x p_scale."""
+        and [8k + (2, 3, 6, 7)] (row r0 + 8); nothing is stored where store is false, and the words (one plane) are
+        appended to the list `words` where given (word 2k + h: row r0 + 8h, word 4k + lt of the row). between(i),
+        where given, is traced after word i of the thread's 8 (`_pair_pv_behind`). Returns the thread's sums of the
+        two rows' p x p_scale."""
         # p * p_scale = exp2(s x scale_log2 - max + log2(p_scale)), one FMA and the exp2: P's scale inside the exp2
         # (p_scale is a power of two), so the sums are in units of p_scale too (`_end_segment` takes it out)
         shift = math.log2(self.cfg.p_scale)
@@ -783,6 +820,8 @@ class MLADecodePairsSM90(MLADecodeSM90):
                         word = quantize_p_e4m3(pv[0], pv[1], pv[2], pv[3])
                         if store:
                             sPw[4 * k + lt, row, 0, buf] = word
+                        if cutlass.const_expr(words is not None):
+                            words.append(word)
                     if cutlass.const_expr(between is not None):
                         between(2 * k + h)
             fence_proxy_async_smem()  # P is a wgmma operand

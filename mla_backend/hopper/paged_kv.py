@@ -32,12 +32,11 @@ from cutlass import Int64
 from cutlass.cute.nvgpu import cpasync
 
 from ..shapes import KV_DIM
-from .decode_layout import CHUNK, KV_BLOCKS, PIECES, swizzle128
+from .decode_layout import (CHUNK, KV_BLOCKS, LATENT_BLOCKS, PIECES, ROPE_OFFSET_ROWS, stage_bytes, swizzle64,
+                            swizzle128)
 from .ptx import cp_async_16_l2_128, prefetch_l2_bulk
 
 HALF = CHUNK // 2  # tokens of a half-chunk TMA box, which never crosses a page (pages of 32 or 64)
-LATENT_BLOCKS = 4  # the 128-byte blocks of the 512 latent bytes (the fifth block is the rope's 64)
-TMA_CHUNK_BYTES = CHUNK * 128 * KV_BLOCKS  # what one chunk's boxes write (the rope box's zero fill included)
 
 
 class KVBoxes:
@@ -116,15 +115,24 @@ class PagedKVLoads:
 
     @cute.jit
     def _load_q_rows(self, mQ: cute.Tensor, atom_cp_async: cute.CopyAtom, sQ8: cute.Tensor, zero16: cute.Tensor,
-                     row0: Int32, qrow: Int32, tidx: Int32, b: Int32):
+                     row0: Int32, qrow: Int32, tidx: Int32, b: Int32, sQRope=None):
         """cp.async row qrow of this block's Q (pieces tidx % 4 + 4k of request b's row row0 + qrow), or zeros
-        for a padding row past the request's query rows."""
+        for a padding row past the request's query rows; the rope's pieces into sQRope where given
+        (`DecodeConfig.rope_rows` 64)."""
         if row0 + qrow < self.cfg.num_rows:
             for k in cutlass.range_constexpr(PIECES // 4):
-                cute.copy(atom_cp_async, mQ[None, tidx % 4 + 4 * k, row0 + qrow, b], sQ8[None, tidx % 4 + 4 * k, qrow])
+                cute.copy(atom_cp_async, mQ[None, tidx % 4 + 4 * k, row0 + qrow, b],
+                          self._q_piece(sQ8, sQRope, tidx, k, qrow))
         else:
             for k in cutlass.range_constexpr(PIECES // 4):
-                cute.autovec_copy(zero16, sQ8[None, tidx % 4 + 4 * k, qrow])
+                cute.autovec_copy(zero16, self._q_piece(sQ8, sQRope, tidx, k, qrow))
+
+    def _q_piece(self, sQ8: cute.Tensor, sQRope, tidx: Int32, k: int, qrow: Int32):
+        """Q's 16-byte piece tidx % 4 + 4k of row qrow (the k-th of this thread's 9): in sQ8, or, where the rope
+        has a block of 64-byte rows (sQRope given, `DecodeConfig.rope_rows`), the rope's (k = 8) in sQRope."""
+        if sQRope is not None and k == PIECES // 4 - 1:
+            return sQRope[None, tidx % 4, qrow]
+        return sQ8[None, tidx % 4 + 4 * k, qrow]
 
     @cute.jit
     def _load_q_block(self, cta, tw: Int32, b: Int32):
@@ -137,32 +145,36 @@ class PagedKVLoads:
         for i in cutlass.range_constexpr(QR // 32):
             qrow = tw // 4 + 32 * i
             if cutlass.const_expr(32 * (i + 1) <= ROWS):
-                self._load_q_rows(cta.mQ, cta.atom_cp_async, cta.sQ8, cta.zero16, cta.row0, qrow, tw, b)
+                self._load_q_rows(cta.mQ, cta.atom_cp_async, cta.sQ8, cta.zero16, cta.row0, qrow, tw, b, cta.sQRope)
             else:
                 if qrow < ROWS:
-                    self._load_q_rows(cta.mQ, cta.atom_cp_async, cta.sQ8, cta.zero16, cta.row0, qrow, tw, b)
+                    self._load_q_rows(cta.mQ, cta.atom_cp_async, cta.sQ8, cta.zero16, cta.row0, qrow, tw, b,
+                                      cta.sQRope)
                 else:
                     for k in cutlass.range_constexpr(PIECES // 4):
-                        cute.autovec_copy(cta.zero16, cta.sQ8[None, tw % 4 + 4 * k, qrow])
+                        cute.autovec_copy(cta.zero16, self._q_piece(cta.sQ8, cta.sQRope, tw, k, qrow))
         if cutlass.const_expr(QR % 32 != 0):
             qrow = tw // 4 + 32 * (QR // 32)
             if qrow < ROWS:
-                self._load_q_rows(cta.mQ, cta.atom_cp_async, cta.sQ8, cta.zero16, cta.row0, qrow, tw, b)
+                self._load_q_rows(cta.mQ, cta.atom_cp_async, cta.sQ8, cta.zero16, cta.row0, qrow, tw, b, cta.sQRope)
 
     # ----------------------------------------------------------------------------------------------- TMA path
     @cute.jit
     def _make_kv_tma(self, p_kv: cute.Pointer, num_pages: Int32, page_stride: Int64):
         """(host side) The TMA atoms and coordinate tensors of the cache, for boxes in the ring's 128B swizzle:
         the cache as (576 bytes, page_size tokens, pages) in boxes of 128 bytes x kv_box_tokens tokens (every
-        block with half-chunk boxes, the rope alone with whole-chunk ones), and for whole-chunk boxes also the
+        block with half-chunk boxes, the rope alone with whole-chunk ones; with rope_rows 64 the rope's boxes are 64
+        bytes wide, in the 64B swizzle), and for whole-chunk boxes also the
         cache as (128 bytes, page_size tokens, 4 latent blocks, pages) in one box of 128 bytes x 64 tokens x 4
         blocks, which lands in the ring's block-after-block layout (else None, None)."""
         BT = self.cfg.kv_box_tokens
+        RR = self.cfg.rope_rows  # 64: the rope's boxes (whole chunks) are 64 bytes wide, in the 64B swizzle
         op = cpasync.CopyBulkTensorTileG2SOp()
         mKV3 = cute.make_tensor(p_kv, cute.make_layout((KV_DIM, self.cfg.page_size, num_pages),
                                                        stride=(1, KV_DIM, page_stride)))
-        box = cute.make_composed_layout(swizzle128(), 0, cute.make_layout((128, BT), stride=(1, 128)))
-        atom, tensor = cpasync.make_tiled_tma_atom(op, mKV3, box, (128, BT))
+        box = cute.make_composed_layout(swizzle128() if RR == 128 else swizzle64(), 0,
+                                        cute.make_layout((RR, BT), stride=(1, RR)))
+        atom, tensor = cpasync.make_tiled_tma_atom(op, mKV3, box, (RR, BT))
         atom_latent, tensor_latent = None, None
         if cutlass.const_expr(BT == CHUNK):
             mKV4 = cute.make_tensor(p_kv, cute.make_layout((128, self.cfg.page_size, LATENT_BLOCKS, num_pages),
@@ -179,17 +191,23 @@ class PagedKVLoads:
         the latent view and (box, stage) of the ring."""
         C = CHUNK
         BT = self.cfg.kv_box_tokens
-        ring_boxes = cute.make_tensor(ring_ptr, cute.make_composed_layout(swizzle128(), 0, cute.make_layout(
-            ((128, BT), (KV_BLOCKS, C // BT, self.cfg.num_stages)),
-            stride=((1, 128), (C * 128, BT * 128, C * 128 * KV_BLOCKS)))))
-        g_boxes = cute.local_tile(cta.tma_kv, (128, BT), (None, None, None))
+        RR = self.cfg.rope_rows
+        if cutlass.const_expr(RR == 128):
+            ring_boxes = cute.make_tensor(ring_ptr, cute.make_composed_layout(swizzle128(), 0, cute.make_layout(
+                ((128, BT), (KV_BLOCKS, C // BT, self.cfg.num_stages)),
+                stride=((1, 128), (C * 128, BT * 128, C * 128 * KV_BLOCKS)))))
+        else:  # the rope's box alone (whole chunks): its 64B-swizzled block of each stage
+            ring_boxes = cute.make_tensor(ring_ptr + C * ROPE_OFFSET_ROWS, cute.make_composed_layout(
+                swizzle64(), 0, cute.make_layout(((RR, BT), (1, 1, self.cfg.num_stages)),
+                                                 stride=((1, RR), (0, 0, stage_bytes(RR))))))
+        g_boxes = cute.local_tile(cta.tma_kv, (RR, BT), (None, None, None))
         t_ring, t_cache = cpasync.tma_partition(cta.tma_atom, 0, cute.make_layout(1),
                                                 cute.group_modes(ring_boxes, 0, 1), cute.group_modes(g_boxes, 0, 2))
         t_ring_latent, t_cache_latent = None, None
         if cutlass.const_expr(BT == CHUNK):
             ring_latent = cute.make_tensor(ring_ptr, cute.make_composed_layout(swizzle128(), 0, cute.make_layout(
                 ((128, C, LATENT_BLOCKS), (self.cfg.num_stages,)),
-                stride=((1, 128, C * 128), (C * 128 * KV_BLOCKS,)))))
+                stride=((1, 128, C * 128), (stage_bytes(RR),)))))
             g_latent = cute.local_tile(cta.tma_latent, (128, C, LATENT_BLOCKS), (None, None, None, None))
             t_ring_latent, t_cache_latent = cpasync.tma_partition(cta.tma_atom_latent, 0, cute.make_layout(1),
                                                                   cute.group_modes(ring_latent, 0, 1),
@@ -236,13 +254,18 @@ class PagedKVLoads:
                 cute.arch.mbarrier_arrive(bar)
         else:
             if lane == 0:
-                cute.arch.mbarrier_arrive_and_expect_tx(bar, TMA_CHUNK_BYTES)
+                # what the chunk's boxes write, zero fill included: a ring stage
+                cute.arch.mbarrier_arrive_and_expect_tx(bar, stage_bytes(self.cfg.rope_rows))
             if cutlass.const_expr(BT == CHUNK):
                 y = (tok0 % P) // CHUNK
                 cute.copy(cta.tma_atom_latent, boxes.t_cache_latent[None, 0, y, 0, page_a],
                           boxes.t_ring_latent[None, stage], tma_bar_ptr=bar)
-                cute.copy(cta.tma_atom, boxes.t_cache[None, KV_BLOCKS - 1, y, page_a],
-                          boxes.t_ring[None, (KV_BLOCKS - 1, 0, stage)], tma_bar_ptr=bar)
+                if cutlass.const_expr(self.cfg.rope_rows == 128):
+                    cute.copy(cta.tma_atom, boxes.t_cache[None, KV_BLOCKS - 1, y, page_a],
+                              boxes.t_ring[None, (KV_BLOCKS - 1, 0, stage)], tma_bar_ptr=bar)
+                else:  # the rope as the ninth 64-byte box of the row
+                    cute.copy(cta.tma_atom, boxes.t_cache[None, LATENT_BLOCKS * 2, y, page_a],
+                              boxes.t_ring[None, (0, 0, stage)], tma_bar_ptr=bar)
             else:
                 for h in cutlass.range_constexpr(2):
                     page = page_a if h == 0 else page_b
@@ -253,9 +276,19 @@ class PagedKVLoads:
 
     @cute.jit
     def _zero_tail_tokens(self, sRing: cute.Tensor, zero16: cute.Tensor, n0: Int32, stage: Int32, tidx: Int32,
-                          nthreads: cutlass.Constexpr):
+                          nthreads: cutlass.Constexpr, sRingRope=None):
         """Zeros over tokens [n0, C) of ring stage `stage` (a chunk that ends inside a loaded page), by `nthreads`
-        threads: 16-byte pieces of all KV_BLOCKS blocks. The caller fences them for the async proxy."""
-        npieces = 8 * KV_BLOCKS
-        for i in range(tidx, (CHUNK - n0) * npieces, nthreads):
-            cute.autovec_copy(zero16, sRing[None, i % npieces, n0 + i // npieces, stage])
+        threads: 16-byte pieces of all KV_BLOCKS blocks, or where the rope has a block of 64-byte rows
+        (`DecodeConfig.rope_rows`) the latent's 32 pieces in sRing and the rope's 4 in sRingRope. The caller fences
+        them for the async proxy."""
+        if cutlass.const_expr(sRingRope is None):
+            npieces = 8 * KV_BLOCKS
+            for i in range(tidx, (CHUNK - n0) * npieces, nthreads):
+                cute.autovec_copy(zero16, sRing[None, i % npieces, n0 + i // npieces, stage])
+        else:
+            for i in range(tidx, (CHUNK - n0) * PIECES, nthreads):
+                pc = i % PIECES
+                if pc < LATENT_BLOCKS * 8:
+                    cute.autovec_copy(zero16, sRing[None, pc, n0 + i // PIECES, stage])
+                else:
+                    cute.autovec_copy(zero16, sRingRope[None, pc - LATENT_BLOCKS * 8, n0 + i // PIECES, stage])

@@ -162,6 +162,9 @@ def quantize_p_hi_lo(p0, p1, p2, p3, *, loc=None, ip=None):
 DESC_LO_SWIZZLE128 = 1 << 16
 DESC_HI_LAYOUT_SWIZZLE128 = 1 << 30  # bits 62-63 of the descriptor, seen from its high word
 DESC_HI_SWIZZLE128 = (1024 >> 4) | DESC_HI_LAYOUT_SWIZZLE128
+# The 64B-swizzled K-major layout (swizzle 2: rows of 64 bytes in 8-row, 512 B atoms): the rope's block of the ring
+# and Q with `DecodeConfig.rope_rows` 64
+DESC_HI_SWIZZLE64 = (512 >> 4) | (2 << 30)
 
 
 @dsl_user_op
@@ -209,30 +212,34 @@ def fence_operand(x, *, loc=None, ip=None):
     return Float32(_asm(T.f32(), [Float32(x).ir_value(loc=loc, ip=ip)], "mov.b32 $0, $1;", "=f,0", True, loc, ip))
 
 
-# How the SS wgmma's operand words become its descriptors: from shared addresses (mask and shift each), or from
-# descriptor low words already made (`smem_desc_lo`). $A and $B stand for the operands' asm indices.
-_SS_DESCRIPTORS_FROM_ADDRESSES = (
-    ".reg .b32 alo, blo, dhi;\n"
-    ".reg .b64 da, db;\n"
-    ".reg .pred p;\n"
-    f"mov.b32 dhi, {DESC_HI_SWIZZLE128};\n"
-    "shr.b32 alo, $A, 4;\n"
-    "and.b32 alo, alo, 0x3FFF;\n"
-    f"or.b32 alo, alo, {DESC_LO_SWIZZLE128};\n"
-    "mov.b64 da, {alo, dhi};\n"
-    "shr.b32 blo, $B, 4;\n"
-    "and.b32 blo, blo, 0x3FFF;\n"
-    f"or.b32 blo, blo, {DESC_LO_SWIZZLE128};\n"
-    "mov.b64 db, {blo, dhi};\n"
-)
-_SS_DESCRIPTORS_FROM_WORDS = (
-    ".reg .b32 dhi;\n"
-    ".reg .b64 da, db;\n"
-    ".reg .pred p;\n"
-    f"mov.b32 dhi, {DESC_HI_SWIZZLE128};\n"
-    "mov.b64 da, {$A, dhi};\n"
-    "mov.b64 db, {$B, dhi};\n"
-)
+# How the SS wgmma's operand words become its descriptors (high word desc_hi): from shared addresses (mask and shift
+# each), or from descriptor low words already made (`smem_desc_lo`). $A and $B stand for the operands' asm indices.
+def _ss_descriptors_from_addresses(desc_hi: int) -> str:
+    return (
+        ".reg .b32 alo, blo, dhi;\n"
+        ".reg .b64 da, db;\n"
+        ".reg .pred p;\n"
+        f"mov.b32 dhi, {desc_hi};\n"
+        "shr.b32 alo, $A, 4;\n"
+        "and.b32 alo, alo, 0x3FFF;\n"
+        f"or.b32 alo, alo, {DESC_LO_SWIZZLE128};\n"
+        "mov.b64 da, {alo, dhi};\n"
+        "shr.b32 blo, $B, 4;\n"
+        "and.b32 blo, blo, 0x3FFF;\n"
+        f"or.b32 blo, blo, {DESC_LO_SWIZZLE128};\n"
+        "mov.b64 db, {blo, dhi};\n"
+    )
+
+
+def _ss_descriptors_from_words(desc_hi: int) -> str:
+    return (
+        ".reg .b32 dhi;\n"
+        ".reg .b64 da, db;\n"
+        ".reg .pred p;\n"
+        f"mov.b32 dhi, {desc_hi};\n"
+        "mov.b64 da, {$A, dhi};\n"
+        "mov.b64 db, {$B, dhi};\n"
+    )
 
 
 def _wgmma_ss_e4m3(a, b, acc, accumulate, descriptors: str, loc, ip):
@@ -256,12 +263,14 @@ def _wgmma_ss_e4m3(a, b, acc, accumulate, descriptors: str, loc, ip):
 
 
 @dsl_user_op
-def wgmma_ss_e4m3(a_addr, b_addr, acc, accumulate, *, loc=None, ip=None):
+def wgmma_ss_e4m3(a_addr, b_addr, acc, accumulate, *, swizzle64: bool = False, loc=None, ip=None):
     """D = A.B^T (+ D if accumulate != 0): wgmma m64nNk32 e4m3 -> f32, N = 2 * len(acc).
 
-    a_addr / b_addr: shared addresses of the K-major 128B-swizzled operands (A: 64 rows, B: N rows), already
-    advanced to the k32 step. acc: this thread's N / 2 accumulators (PTX fragment order)."""
-    return _wgmma_ss_e4m3(a_addr, b_addr, acc, accumulate, _SS_DESCRIPTORS_FROM_ADDRESSES, loc, ip)
+    a_addr / b_addr: shared addresses of the K-major 128B-swizzled operands (A: 64 rows, B: N rows; with
+    swizzle64 both 64B-swizzled), already advanced to the k32 step. acc: this thread's N / 2 accumulators (PTX
+    fragment order)."""
+    desc_hi = DESC_HI_SWIZZLE64 if swizzle64 else DESC_HI_SWIZZLE128
+    return _wgmma_ss_e4m3(a_addr, b_addr, acc, accumulate, _ss_descriptors_from_addresses(desc_hi), loc, ip)
 
 
 def smem_desc_lo(addr):
@@ -272,11 +281,13 @@ def smem_desc_lo(addr):
 
 
 @dsl_user_op
-def wgmma_ss_e4m3_desc(a_lo, b_lo, acc, accumulate, *, loc=None, ip=None):
-    """`wgmma_ss_e4m3` on operands given by their descriptors' low words (`smem_desc_lo`), the high word the
-    128B-swizzled layout's: where a warp-uniform word is stepped by a constant per k32 step, ptxas issues one
-    uniform add per operand instead of rebuilding each descriptor from its address."""
-    return _wgmma_ss_e4m3(a_lo, b_lo, acc, accumulate, _SS_DESCRIPTORS_FROM_WORDS, loc, ip)
+def wgmma_ss_e4m3_desc(a_lo, b_lo, acc, accumulate, *, swizzle64: bool = False, loc=None, ip=None):
+    """`wgmma_ss_e4m3` on operands given by their descriptors' low words (`smem_desc_lo`, the same for both
+    swizzles), the high word the 128B-swizzled layout's (with swizzle64 the 64B one's): where a warp-uniform word
+    is stepped by a constant per k32 step, ptxas issues one uniform add per operand instead of rebuilding each
+    descriptor from its address."""
+    desc_hi = DESC_HI_SWIZZLE64 if swizzle64 else DESC_HI_SWIZZLE128
+    return _wgmma_ss_e4m3(a_lo, b_lo, acc, accumulate, _ss_descriptors_from_words(desc_hi), loc, ip)
 
 
 @dsl_user_op

@@ -46,13 +46,17 @@ def run_chunk_pairs(heads, q_len, page, options, q, kv, bt, sl, qs, ks):
     torch.cuda.synchronize()
 
 
-# 64 rows, 48 rows padded to S's 64; S a pair ahead, P.V a pair behind, the chunks prefetched into L2
+# 64 rows, 48 rows padded to S's 64; S a pair ahead, P.V a pair behind, the chunks prefetched into L2, the rope
+# in 64-byte rows with 5 stages
 for heads, q_len, page, lengths, options in [(128, 1, 64, [5, 129, 700], {}),
                                              (12, 8, 32, [8, 9, 700], {"s_ahead": True}),
                                              (16, 4, 64, [1, 65, 3000], {"s_ahead": True}),
                                              (16, 4, 64, [1, 65, 3000], {"pv_behind": 3, "kv_prefetch": 4}),
                                              (12, 8, 32, [8, 9, 700], {"pv_behind": 2, "kv_prefetch": 2}),
-                                             (128, 1, 64, [5, 129, 700], {"pv_behind": 3, "s_under_rescale": True})]:
+                                             (128, 1, 64, [5, 129, 700], {"pv_behind": 3, "s_under_rescale": True}),
+                                             (16, 4, 64, [1, 65, 3000], {"pv_behind": 3, "rope_rows": 64,
+                                                                         "p_after_pv": True, "num_stages": 5}),
+                                             (12, 8, 64, [8, 9, 700], {"rope_rows": 64})]:
     run_chunk_pairs(heads, q_len, page, options,
                     *make_decode_inputs(lengths, q_len=q_len, num_heads=heads, page_size=page, device="cuda",
                                         extra_pages=0))

@@ -184,6 +184,9 @@ def test_unit_rescale_skip_builds_compile(heads, q_len, options):
 
 
 PAIRS = {"chunk_pairs": True}
+# the rope in 64-byte rows (36 KB stages) and P stored after the pair before's P.V (one pair's P buffers): 5 ring
+# stages at 64 rows with P.V a pair behind
+DEEP_RING = {"pv_behind": 3, "rope_rows": 64, "p_after_pv": True, "num_stages": 5}
 
 
 @pytest.mark.parametrize("heads,q_len,page_size,options", [
@@ -209,13 +212,18 @@ PAIRS = {"chunk_pairs": True}
     (16, 4, 32, {"tile_tokens": 32, "pv_behind": 4, "unit_rescale_skip": True, "p_exp2_fma": 1}),
     # the chunks prefetched into L2 ahead of their boxes (kv_prefetch): whole- and half-chunk boxes, 48 rows
     (128, 1, 64, {"kv_prefetch": 2}), (16, 4, 32, {"tile_tokens": 32, "kv_prefetch": 8, "pv_behind": 2}),
-    (12, 8, 32, {"kv_prefetch": 1})])
+    (12, 8, 32, {"kv_prefetch": 1}),
+    # the rope in 64-byte rows (rope_rows), P stored after the pair before's P.V (p_after_pv), 5 stages with both
+    (128, 1, 64, DEEP_RING), (16, 4, 64, {**DEEP_RING, "s_under_rescale": True, "kv_prefetch": 2}),
+    (12, 8, 64, {**DEEP_RING, "q_in_registers": True}), (128, 1, 64, {"rope_rows": 64}),
+    (64, 1, 64, {"rope_rows": 64, "p_planes": 2, "s_ahead": True}), (128, 1, 64, {"pv_behind": 2, "p_after_pv": True}),
+    (12, 4, 64, {"rope_rows": 64, "timeline": 0}), (128, 1, 64, {**DEEP_RING, "skip": frozenset({"softmax"})})])
 def test_chunk_pairs_builds_compile(heads, q_len, page_size, options):
     """The chunk-pairs schedule (`DecodeConfig.chunk_pairs`, research) compiles at 48 and 64 rows with 4 ring
     stages, for both P precisions, one or two S chains, half- and whole-chunk boxes, padding rows, S issued a pair
-    ahead (`s_ahead`), P.V a pair behind (`pv_behind`) and its research and timeline builds, and its shared memory
-    (Q padded to S's 64 rows, no S^T buffers, P buffers for one pair or two, a second mbarrier per stage) fits a
-    CTA."""
+    ahead (`s_ahead`), P.V a pair behind (`pv_behind`) and its research and timeline builds, the rope in 64-byte
+    rows (`rope_rows`) with 5 stages, and its shared memory (Q padded to S's 64 rows, no S^T buffers, P buffers for
+    one pair or two, a second mbarrier per stage) fits a CTA."""
     from mla_backend.config import decode_config
     from mla_backend.hopper.decode import compile_decode, decode_kernel
     from mla_backend.hopper.decode_layout import SM90_SMEM_CAPACITY
@@ -223,16 +231,18 @@ def test_chunk_pairs_builds_compile(heads, q_len, page_size, options):
 
     cfg = decode_config(heads, q_len, page_size, **PAIRS, **options)
     rows = cfg.rows_per_block
-    assert (rows in (48, 64), cfg.num_stages, cfg.schedule, cfg.kv_loads, cfg.pv_order) == (True, 4, "pairs", "tma",
-                                                                                           "whole")
+    assert (rows in (48, 64), cfg.schedule, cfg.kv_loads, cfg.pv_order) == (True, "pairs", "tma", "whole")
+    assert cfg.num_stages == options.get("num_stages", 4)
     kernel = decode_kernel(cfg)
     assert isinstance(kernel, MLADecodePairsSM90) and kernel.q_rows == 64
     assert kernel.k_steps_regs == (8 if options.get("q_in_registers") else 0)
     regions = kernel.smem_regions()
     assert all(n > 0 and n % 16 == 0 for n in regions.values()), regions
     assert sum(regions.values()) + 8 * 2 * cfg.num_stages <= SM90_SMEM_CAPACITY
-    assert regions["s"] == 2 * rows * 4 and regions["q"] == 64 * 640  # the chunk maxima; Q padded to S's M
-    assert regions["p"] == (4 if cfg.pv_behind else 2) * cfg.p_planes * rows * 64
+    row_bytes = 512 + cfg.rope_rows  # the rope's block of 128- or 64-byte rows
+    assert regions["s"] == 2 * rows * 4 and regions["q"] == 64 * row_bytes  # the chunk maxima; Q padded to S's M
+    assert regions["ring"] == cfg.num_stages * 64 * row_bytes
+    assert regions["p"] == (4 if cfg.pv_behind and not cfg.p_after_pv else 2) * cfg.p_planes * rows * 64
     assert compile_decode(cfg) is not None
 
 
@@ -292,9 +302,19 @@ def test_chunk_pairs_is_checked():
                              ({"pv_behind": 2, "chunk_pairs": False}, "pv_behind is a form"),
                              ({"s_under_rescale": True}, "s_under_rescale is an order of pv_behind"),
                              ({"kv_prefetch": 9}, "kv_prefetch is 0"),
-                             ({"kv_prefetch": 2, "chunk_pairs": False}, "kv_prefetch is 0")):
+                             ({"kv_prefetch": 2, "chunk_pairs": False}, "kv_prefetch is 0"),
+                             ({"rope_rows": 32}, "rope_rows is one of"),
+                             ({"rope_rows": 64, "chunk_pairs": False}, "rope_rows is one of"),
+                             ({"rope_rows": 64, "kv_box_tokens": 32}, "rope_rows is one of"),
+                             ({"p_after_pv": True}, "p_after_pv is an order of pv_behind")):
         with pytest.raises(ValueError, match=message):
             decode_config(128, 1, 64, **options)
+    # 5 stages of 40 KB, or two pairs' P buffers beside 5 of 36 KB, do not fit a CTA: the compile says so
+    from mla_backend.hopper.decode import compile_decode
+
+    for options in ({"pv_behind": 3, "num_stages": 5}, {"pv_behind": 3, "rope_rows": 64, "num_stages": 5}):
+        with pytest.raises(ValueError, match="do not fit an SM90 CTA"):
+            compile_decode(decode_config(128, 1, 64, **options))
     # P.V a pair behind has its own order: the rescale after P.V(p - 1), which early_rescale has no form for
     assert not decode_config(128, 1, 64, pv_behind=3).early_rescale
 
@@ -352,7 +372,11 @@ QREGS = {"q_in_registers": True}
     (12, 8, 32, None, 1, {**PAIRS, **QREGS, "pv_behind": 2, "s_under_rescale": True}),
     # the L2 prefetch in the load warpgroup's 40 registers: its farthest, half-chunk boxes (two pages a chunk)
     (128, 1, 64, 64, 1, {**PAIRS, "kv_prefetch": 8, "pv_behind": 3}),
-    (16, 4, 64, None, 2, {**PAIRS, "kv_prefetch": 8, "kv_box_tokens": 32})])
+    (16, 4, 64, None, 2, {**PAIRS, "kv_prefetch": 8, "kv_box_tokens": 32}),
+    # 5 stages of 36 KB with P stored after the pair before's P.V: its 8 words a thread held across the units
+    (128, 1, 64, 64, 1, {**PAIRS, **DEEP_RING, "pv_behind": 4}),
+    (128, 1, 64, 64, 1, {**PAIRS, **DEEP_RING, "s_under_rescale": True, "kv_prefetch": 2}),
+    (12, 8, 64, None, 1, {**PAIRS, **DEEP_RING, **QREGS, "pv_behind": 2})])
 def test_no_spills(tmp_path, num_heads, q_len, page_size, rows, planes, options):
     ptxas = ptxas_path()
     assert ptxas, "ptxas (pip install 'cute-mla-fp8[test]' brings it) is needed: the spill check is part of the CPU suite"
@@ -472,6 +496,11 @@ GPU_CASES = [
      {**PAIRS, "pv_behind": 3, "s_under_rescale": True, "p_planes": 1}),
     # the chunks prefetched into L2 ahead of their boxes (kv_prefetch): tiles of 32, so chunks across pages
     (16, 4, 64, 32, True, [4, 5, 64, 1500, 77], 9, {**PAIRS, "kv_prefetch": 3}),
+    # the rope in 64-byte rows (rope_rows), alone and with 5 stages and P stored after the pair before's P.V; 48 rows
+    (16, 4, 64, 64, True, [4, 5, 64, 1500, 77], 9, {**PAIRS, "rope_rows": 64, "p_planes": 2}),
+    (64, 1, 64, 64, False, [1, 65, 129, 200, 64, 3, 1000, 4000, 130, 191, 257, 0], 5,
+     {**PAIRS, **DEEP_RING, "p_planes": 1}),
+    (12, 8, 64, 64, True, [8, 9, 100, 1000, 4000, 65], 9, {**PAIRS, **DEEP_RING, "p_planes": 1, "pv_behind": 4}),
 ]
 
 
@@ -523,7 +552,7 @@ def _options_id(options) -> str:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("options", [{}, {"p_exp2_fma": 4}, {"pv_behind": 3}], ids=_options_id)
+@pytest.mark.parametrize("options", [{}, {"p_exp2_fma": 4}, {"pv_behind": 3}, DEEP_RING], ids=_options_id)
 def test_nan_in_the_kv_reaches_its_rows_gpu(options):
     """A NaN in one token's latent is NaN in every output row and lse of its request (each row's S of that token
     is NaN, and so its p, whichever pipe takes the exp2: `p_exp2_fma=4` takes them all on the FMA pipe), never an
@@ -643,6 +672,36 @@ def test_pv_behind_changes_no_bit_gpu(num_heads, q_len, page_size, tile_tokens, 
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("num_heads,q_len,page_size,options", [
+    (128, 1, 64, {}), (16, 4, 64, {"s_chains": 1, "p_planes": 2}), (12, 8, 64, {"q_in_registers": True}),
+    (128, 1, 64, {"s_ahead": True}), (64, 1, 64, {"pv_behind": 2, "p_planes": 1})])
+def test_rope_rows_change_no_bit_gpu(num_heads, q_len, page_size, options):
+    """The rope in 64-byte rows (`rope_rows`: its TMA box, Q's copies, S's descriptors and the zeroed tails in the
+    64B swizzle) feeds S the same bytes: every output and lse bit equals the 128-byte rows' build, over segments
+    of odd and even chunk counts."""
+    from mla_backend.config import decode_config
+
+    rows128, rows64 = (decode_config(num_heads, q_len, page_size, rope_rows=rope_rows, **PAIRS, **options)
+                       for rope_rows in (128, 64))
+    _assert_launches_agree(rows128, rows64, [1, 700, 3000, 64, 20000, 129, 0, 4100], seed=29, num_ctas=10)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_heads,q_len,page_size,options", [(128, 1, 64, DEEP_RING), (16, 4, 64, DEEP_RING),
+                                                               (12, 8, 64, {**DEEP_RING, "pv_behind": 4}),
+                                                               (64, 1, 64, {"pv_behind": 2, "p_after_pv": True})])
+def test_p_after_pv_changes_no_bit_gpu(num_heads, q_len, page_size, options):
+    """P stored once the pair before's P.V is done (`p_after_pv`, one pair's P buffers), with 5 stages of 36 KB
+    where given: the same arithmetic as phase after phase, one pair later, so every output and lse bit is the same
+    over segments of odd and even chunk counts."""
+    from mla_backend.config import decode_config
+
+    phases, late = (decode_config(num_heads, q_len, page_size, p_planes=1, **PAIRS, **extra)
+                    for extra in ({}, options))
+    _assert_launches_agree(phases, late, [1, 700, 3000, 64, 20000, 129, 0, 4100], seed=31, num_ctas=10)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("num_heads,q_len,page_size,tile_tokens,options", [
     (128, 1, 64, 64, {"kv_prefetch": 2}), (16, 4, 64, 32, {"kv_prefetch": 8}), (12, 8, 32, 64, {"kv_prefetch": 3}),
     (64, 1, 64, 64, {"kv_prefetch": 4, "pv_behind": 3, "p_planes": 1})])
@@ -687,7 +746,7 @@ def test_chunk_pairs_q_in_registers_matches_q_from_shared_memory_gpu(num_heads, 
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_heads,q_len,options", [(16, 4, {}), (16, 4, {"s_ahead": True}), (12, 8, {}),
                                                      (128, 1, {"s_ahead": True}), (16, 4, {"pv_behind": 2}),
-                                                     (128, 1, {"pv_behind": 4})])
+                                                     (128, 1, {"pv_behind": 4}), (128, 1, DEEP_RING)])
 def test_chunk_pairs_launches_on_kv_held_in_l2_are_bit_identical_gpu(num_heads, q_len, options):
     """The chunk-pairs schedule's own ring protocol (landed / read mbarriers, refills by a load warpgroup) under the
     test that caught a refill racing the V^T reads (test_mla_decode_gpu.py): 100 launches on KV that fits in L2,
@@ -787,6 +846,8 @@ POISON_CASES = [
     (12, 8, 32, 64, [8, 9, 100, 1000, 4000, 65], 9, {**PAIRS, "q_in_registers": True}),  # Q's first steps in registers
     (16, 4, 64, 64, [0, 4, 5, 64, 1500, 77, 10779, 238], 24, {**PAIRS, "pv_behind": 3}),  # two pairs' P buffers
     (12, 8, 32, 64, [8, 9, 100, 1000, 4000, 65], 9, {**PAIRS, "pv_behind": 2}),
+    (16, 4, 64, 64, [0, 4, 5, 64, 1500, 77, 10779, 238], 24, {**PAIRS, **DEEP_RING}),  # the rope's 64-byte rows
+    (12, 8, 64, 64, [8, 9, 100, 1000, 4000, 65], 9, {**PAIRS, **DEEP_RING, "q_in_registers": True}),
 ]
 
 
