@@ -57,7 +57,7 @@ def default_num_ctas(device=None, num_heads: Optional[int] = None, q_len: Option
     blocks (H12 q_len 8, H128) that is two waves of equally long CTAs; 66 plan CTAs give one wave of CTAs twice
     as long: half the segments (Q loads, pipeline fills, partials to merge). H200, decode alone, one process:
     H12 q8 1M x B1 534.2 -> 527.4 us, q8 128K x B4 275.0 -> 269.6, q8 128K x B1 79.2 -> 74.0, H128 q1 128K x B4
-    325.3 -> 317.9 (docs/performance.md). A count that does not divide the SMs keeps one plan CTA per SM: one
+    325.3 -> 317.9 (docs/experiments.md). A count that does not divide the SMs keeps one plan CTA per SM: one
     wave would leave SMs idle."""
     sms = device_sms(device)
     if num_heads is None or q_len is None:
