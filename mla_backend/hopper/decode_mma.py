@@ -54,7 +54,9 @@ class DecodeMMA:
             kb = ks // 4
             koff = (ks % 4) * 32
             accumulate = 0 if kk == 0 and from_zero else 1
-            # the rope's block (kb 4) at the same offset either way: the latent's 4 blocks x rows x 128 bytes
+            # the rope's block (kb 4) at the same offset either way: the latent's 4 blocks x rows x 128 bytes. Its
+            # swizzle picks the descriptor at trace time, so the steps must be Python ints there
+            assert self.cfg.rope_rows == 128 or isinstance(ks, int), "rope_rows 64 needs S's k32 steps at trace time"
             rope64 = self.cfg.rope_rows == 64 and kb == LATENT_BLOCKS
             if cutlass.const_expr(stepped_descriptors):
                 k_desc = k_lo + ((kb * (C * 128) + koff) >> 4)

@@ -824,7 +824,8 @@ class MLADecodePairsSM90(MLADecodeSM90):
                             words.append(word)
                     if cutlass.const_expr(between is not None):
                         between(2 * k + h)
-            fence_proxy_async_smem()  # P is a wgmma operand
+            if cutlass.const_expr(store is not False):  # (nothing stored: the caller stores the words and fences)
+                fence_proxy_async_smem()  # P is a wgmma operand
         elif cutlass.const_expr(between is not None):
             for i in cutlass.range_constexpr(8):
                 between(i)

@@ -10,9 +10,10 @@ wgmma reads (`decode_layout`), by one of two paths:
   with `kv_box_tokens` 32, per half chunk of 32 tokens (which never crosses a page), five boxes of 128 bytes x
   32 tokens; with 64 (pages and tiles of 64, so a chunk is one page's 64 tokens), the four latent blocks as one
   box of 128 bytes x 64 tokens x 4 blocks of the cache viewed as (128 bytes, page_size, 4 blocks, pages), and the
-  rope as one 128 x 64 box. A rope box starts at byte 512 and its last 64 bytes lie past the row, which the TMA
-  unit fills with zeros, as it fills every box whose page is not a page of the cache (-1 past the segment end, or
-  a bad entry). The boxes' bytes land in the same swizzled layout the cp.async path writes. Tokens of a loaded
+  rope as one 128 x 64 box (with `DecodeConfig.rope_rows` 64 a 64 x 64 box in the 64B swizzle, into the rope's
+  block of 64-byte rows). A rope box starts at byte 512; a 128-byte one's last 64 bytes lie past the row, which
+  the TMA unit fills with zeros, as it fills every box whose page is not a page of the cache (-1 past the segment
+  end, or a bad entry). The boxes' bytes land in the same swizzled layout the cp.async path writes. Tokens of a loaded
   page past the segment end are zeroed by the threads after the chunk lands (`_zero_tail_tokens`), so their
   bytes never reach P.V. Boxes start at chunk starts, which are tile starts: tiles of fewer than 32 tokens load
   by cp.async (`config.default_kv_loads`). The chunk-pairs schedule may also prefetch the chunks a few ahead of

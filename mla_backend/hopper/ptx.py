@@ -274,9 +274,10 @@ def wgmma_ss_e4m3(a_addr, b_addr, acc, accumulate, *, swizzle64: bool = False, l
 
 
 def smem_desc_lo(addr):
-    """The low word of the 128B-swizzled K-major descriptor of shared address addr (`wgmma_ss_e4m3`'s). A CTA's
-    shared window is under 2^18 bytes, so the word of addr + 16 j (an operand moved along K, or to a later block
-    of rows) is this word + j: a schedule computes it once per operand and steps it with one add."""
+    """The low word of the swizzled K-major descriptor of shared address addr (`wgmma_ss_e4m3`'s; the same for the
+    128B and 64B swizzles, which differ in the high word). A CTA's shared window is under 2^18 bytes, so the word
+    of addr + 16 j (an operand moved along K, or to a later block of rows) is this word + j: a schedule computes it
+    once per operand and steps it with one add."""
     return ((addr >> 4) & 0x3FFF) | DESC_LO_SWIZZLE128
 
 
