@@ -39,21 +39,22 @@ Three forms (`DecodeConfig.s_ahead`, `DecodeConfig.pv_behind`):
   the next pair, as its P.V loads their V^T: the load of pair p + 1 then has less than a pair to land. With
   `s_under_rescale` S(p + 1) is issued once O^T is rescaled, before the P barrier (at 64 rows its first chain
   only; past the segment's last pair on Q's own rows, masked whole, as with S ahead), so that the tensor pipe is
-  not idle through that barrier and the next pair's start.
+  not idle through that barrier and the next pair's start. On an H100 both measured slower than the first form
+  (experiments.md): each unit's wait holds the softmax's instructions behind it, so the chain grows.
 
 The third warpgroup only loads. Its warp 0 issues each chunk's TMA boxes onto the stage's "landed" mbarrier once the
 stage's "read" mbarrier says both P.V warpgroups are done with the chunk it held (every thread of both arrives after
 its V^T loads of that chunk; the owner's S was waited for before); its 128 threads copy Q by cp.async at a segment's
-start and arrive on PAIR_Q_BAR once it landed. With `kv_prefetch` (research) warp 0 also prefetches the chunk that
-many ahead into L2 before each wait for a stage, so that a load issued late (P.V a pair behind releases a pair's
-stages during the next pair) finds its bytes in L2 rather than in DRAM. The chunks are counted over the CTA's
-segments, so each stage's mbarrier phases follow from the count. A segment's last chunk is zeroed past its end by
-the warpgroup that computes its S, before that S (both warpgroups read its V^T only after the P barrier). A chunk
-past the segment's end (warpgroup 1's in a pair that has one chunk, and with S ahead the pair after the last) still
-has its S issued, with Q's own rows as the B operand (no wgmma is issued under a branch, which would make ptxas
-serialise them all) and every token masked: its P is zero and its maxima -inf, and its P.V pairs that zero P with
-the first chunk's V^T. The ring has 4 stages: one pair computed while the next lands (5 with the deeper
-ring, below).
+start and arrive on PAIR_Q_BAR once it landed. With `kv_prefetch` (research, measured slower) warp 0 also prefetches
+the chunk that many ahead into L2 before each wait for a stage, so that a load issued late (P.V a pair behind
+releases a pair's stages during the next pair) finds its bytes in L2 rather than in DRAM. The chunks are counted
+over the CTA's segments, so each stage's mbarrier phases follow from the count. A segment's last chunk is zeroed
+past its end by the warpgroup that computes its S, before that S (both warpgroups read its V^T only after the P
+barrier). A chunk past the segment's end (warpgroup 1's in a pair that has one chunk, and with S ahead the pair
+after the last) still has its S issued, with Q's own rows as the B operand (no wgmma is issued under a branch, which
+would make ptxas serialise them all) and every token masked: its P is zero and its maxima -inf, and its P.V pairs
+that zero P with the first chunk's V^T. The ring has 4 stages: one pair computed while the next lands (5 with the
+deeper ring, below).
 
 Deeper ring (research). With 4 stages and P.V a pair behind, the chunks of pair p + 2 are loaded into the stages
 pair p's P.V releases during pair p + 1, so they have less than a pair to land (the second chunk about 0.4 of
@@ -62,7 +63,8 @@ box, Q's copies, S's two rope k32 steps with 64B-swizzled descriptors, the zeroe
 of 40. `p_after_pv` keeps a pair's P words (8 registers a thread) until P.V of the pair before is done in both
 warpgroups (`PAIR_PV_DONE_BAR`, which also orders the alphas) and stores them then, so one pair's P buffers
 serve: with both, 5 stages fit at 64 rows (ring 180 KB, Q 36, P 8), and a stage is refilled with a chunk of
-the pair after next or later.
+the pair after next or later. On an H100 that removed the waits for chunks to land and took 1-3% off where the
+memory bounds the step, but P.V a pair behind stays 8-17% slower where the tensor cores do (experiments.md).
 
 48-row blocks (H12 q_len 4 and 8): S keeps wgmma's 64 rows as M, Q padded with zero rows (its buffer holds 64,
 `q_rows`); warp 3 of each MMA warpgroup holds only padding rows, which see no token and store no maxima, P,
