@@ -710,11 +710,17 @@ class MLADecodePairsSM90(MLADecodeSM90):
         (`_pass_p_barrier`). Returns this thread's sums of its rows' p."""
         wg, lt = cta.wg, cta.lt
         r0 = 16 * cta.wl + cta.lg
-        block_rows = self._block_rows(cta)
-        csum0 = Float32(0.0)
-        csum1 = Float32(0.0)
-        if block_rows:
-            csum0, csum1 = self._write_p(acc_S, sPw, cta.scale_log2, use0, use1, r0, lt, wg)
+        if cutlass.const_expr(self.k_steps_regs == 0):
+            # S's padding rows (warp 3 at 48 rows, every token masked: p = 0) compute P too and store none: under
+            # a branch P's exp2 could not interleave with the rescale before it (`early_rescale`)
+            csum0, csum1 = self._write_p(acc_S, sPw, cta.scale_log2, use0, use1, r0, lt, wg,
+                                         store=self._block_rows(cta))
+        else:
+            # beside Q's registers that form spills (44 bytes): the padding rows skip P
+            csum0 = Float32(0.0)
+            csum1 = Float32(0.0)
+            if self._block_rows(cta):
+                csum0, csum1 = self._write_p(acc_S, sPw, cta.scale_log2, use0, use1, r0, lt, wg)
         if cutlass.const_expr(not self.cfg.early_rescale):
             self._publish_alphas(cta, sAlpha, alpha0, alpha1)
         return csum0, csum1
