@@ -129,8 +129,8 @@ class DecodeConfig:
     each 4 P values' exp2 by a polynomial on the FMA pipe (`ptx.exp2_fma`) instead of MUFU, and `mma_registers`
     (research, PAIRS_MMA_REGISTERS) sets its MMA warpgroups' register budget; `own_chunk_first` (research) has each
     warpgroup run P.V of its own chunk of a pair before the other's, ahead of the barrier on the other's P, and
-    `early_rescale` (the phase-after-phase form's default with one P plane, `default_early_rescale`) rescales O^T
-    beside P's exp2 instead of after the P barrier; `pv_behind` (research, 1-4; one P plane, 4 stages) runs each
+    `early_rescale` (the phase-after-phase form's default with one P plane, `default_early_rescale`; research in
+    the S^T-warpgroup schedule at 48 and 64 rows) rescales O^T beside P's exp2 instead of after the P barrier; `pv_behind` (research, 1-4; one P plane, 4 stages) runs each
     pair's P.V during the next pair, a dim tile of a chunk at a time between its P's words with at most that many
     in flight, so that the tensor pipe has work while the softmax runs (the same arithmetic in the same order),
     and with `s_under_rescale` (research) issues the next pair's S (at 64 rows its first chain) before the P
@@ -242,9 +242,14 @@ class DecodeConfig:
         if self.mma_registers and (not self.chunk_pairs or self.mma_registers not in PAIRS_MMA_REGISTERS):
             raise ValueError(f"mma_registers is one of {PAIRS_MMA_REGISTERS} (the chunk_pairs schedule's MMA "
                              f"warpgroups' setmaxnreg budget; 0: the schedule's own), got {self.mma_registers}")
-        if (self.own_chunk_first or self.early_rescale) and (not self.chunk_pairs or self.s_ahead):
-            raise ValueError("own_chunk_first and early_rescale are orders of the chunk_pairs schedule's "
-                             "phase-after-phase form")
+        if self.own_chunk_first and (not self.chunk_pairs or self.s_ahead):
+            raise ValueError("own_chunk_first is an order of the chunk_pairs schedule's phase-after-phase form")
+        if self.early_rescale and (self.s_ahead if self.chunk_pairs else
+                                   (self.rows_per_block not in (48, 64) or self.pv_order != "whole"
+                                    or self.lazy_rescale or self.unit_rescale_skip or self.q_in_registers)):
+            raise ValueError("early_rescale is an order of the chunk_pairs schedule's phase-after-phase form and of "
+                             "the S^T-warpgroup schedule at 48 and 64 rows (P.V issued whole, without lazy_rescale, "
+                             "unit_rescale_skip or q_in_registers)")
         if not 0 <= self.pv_behind <= 4:
             raise ValueError(f"pv_behind is 0 (off) or 1 to 4 (P.V units in flight under the softmax), got "
                              f"{self.pv_behind}")
@@ -315,7 +320,8 @@ def default_kv_box_tokens(page_size: int, tile_tokens: int) -> int:
 
 def default_pv_order(rows_per_block: int, whole_only: bool = False) -> str:
     """"per_tile" for 48 rows (unless whole_only: the research switches lazy_rescale and unit_rescale_skip, whose
-    skip it has no form for, and the chunk_pairs schedule, which rescales once a pair), "whole" otherwise. H200,
+    skip it has no form for, the chunk_pairs schedule, which rescales once a pair, and early_rescale, which
+    rescales before the P barrier), "whole" otherwise. H200,
     decode alone, one process, outputs identical, whole -> per_tile: H12 q8 page 64 128K x B4 179.8 -> 169.0 and
     180.1 -> 167.5 us, 1M x B1 338.2 -> 316.7 and 348.4 -> 324.5 (two runs); at 64 rows no faster (H128 q1 page 64
     128K x B4 201.1 -> 206.2, H16 q4 page 64 1M x B2 404.0 -> 413.9), and ptxas spills 12 bytes there."""
@@ -387,7 +393,8 @@ def decode_config(num_heads: int, q_len: int, page_size: int, *, tile_tokens: in
                                        else kv_box_tokens),
                         pv_order=(default_pv_order(rows, bool(research.get("lazy_rescale")
                                                                or research.get("unit_rescale_skip")
-                                                               or research.get("chunk_pairs")))
+                                                               or research.get("chunk_pairs")
+                                                               or research.get("early_rescale")))
                                   if pv_order is None
                                   else pv_order),
                         pdl=env.pdl, arch=arch, **research)

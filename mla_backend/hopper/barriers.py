@@ -8,6 +8,7 @@ PV_BAR = 1  # warpgroups 0 and 1 (256 threads): P(ci) and alpha(ci) written
 S_FULL = 2  # + buffer (2, 3): S^T(j) stored and its chunk landed; the S^T warpgroup arrives, 0 and 1 wait
 S_FREE = 4  # + buffer (4, 5): S^T(j) read and the V^T registers of chunk j loaded; 0 and 1 arrive, the S^T wg waits
 LOAD_BAR = 6  # the S^T warpgroup alone: every copy of a chunk landed
+SWG_ALPHA_BAR = 7  # warpgroups 0 and 1 (`early_rescale`, research): alpha(ci) written, P.V(ci - 1) done in both
 
 # chunk-pairs schedule (decode_pairs.py)
 PAIR_MAX_BAR = 1  # warpgroups 0 and 1 (256 threads): each one's chunk maxima of the rows written

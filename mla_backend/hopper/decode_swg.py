@@ -25,7 +25,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
-from .barriers import LOAD_BAR, PV_BAR, S_FREE, S_FULL
+from .barriers import LOAD_BAR, PV_BAR, S_FREE, S_FULL, SWG_ALPHA_BAR
 from .decode_common import CTAContext, MLADecodeSM90
 from .decode_layout import (CHUNK, KV_BLOCKS, SOFTMAX_THREADS, WARPGROUP, p_buffer_bytes, p_words_layout,
                             s_full_layout, s_logical_row)
@@ -250,28 +250,68 @@ class MLADecodeSwgSM90(MLADecodeSM90):
         vt_addr = cta.ring_addr + (ci % self.cfg.num_stages) * (C * 128 * KV_BLOCKS)  # chunk ci's ring stage
         cute.arch.barrier(barrier_id=S_FULL + buf, number_of_threads=NT)
         self._stamp(cta, lead, ci, 8 + 8 * wg + 0)  # "S_FULL passed"
-        if srow < ROWS:  # all threads but with 48 rows (then warps 6 and 7 skip it)
+        if cutlass.const_expr(self.cfg.early_rescale):
+            row_max, row_sum = self._softmax_rescale_early(cta, acc_O, sS, sPw, sAlpha, ci, tok_begin, row_end,
+                                                           row_max, row_sum, srow, ssub, s_row, lead)
+        elif srow < ROWS:  # all threads but with 48 rows (then warps 6 and 7 skip it)
             row_max, row_sum, alpha = self._softmax_chunk(
                 sS[None, None, None, buf], sPw[None, None, None, buf], row_max,
                 row_sum, tok_begin + ci * C, row_end, cta.scale_log2, srow, ssub, s_row)
             if ssub == 0:
                 sAlpha[srow, buf] = alpha
-        self._stamp(cta, lead, ci, 8 + 8 * wg + 1)  # "softmax done"
-        self._wait_mma(acc_O)  # P.V(ci - 1): its V^T registers may be reused
-        self._stamp(cta, lead, ci, 8 + 8 * wg + 2)  # "P.V(ci-1) done"
+        if cutlass.const_expr(not self.cfg.early_rescale):
+            self._stamp(cta, lead, ci, 8 + 8 * wg + 1)  # "softmax done"
+            self._wait_mma(acc_O)  # P.V(ci - 1): its V^T registers may be reused
+            self._stamp(cta, lead, ci, 8 + 8 * wg + 2)  # "P.V(ci-1) done"
         a_regs = self._load_vt(vt_addr, wg * 4, wl, lane)
         cute.arch.barrier_arrive(barrier_id=S_FREE + buf, number_of_threads=NT)
         self._stamp(cta, lead, ci, 8 + 8 * wg + 3)  # "V^T loaded"
         cute.arch.barrier(barrier_id=PV_BAR, number_of_threads=SOFTMAX_THREADS)  # P(ci), alpha(ci)
         self._stamp(cta, lead, ci, 8 + 8 * wg + 4)  # "P barrier passed"
         PB = p_buffer_bytes(ROWS, self.cfg.p_planes)
-        if cutlass.const_expr(self.cfg.pv_order == "per_tile"):
+        if cutlass.const_expr(self.cfg.early_rescale):
+            self._issue_pv_regs(acc_O, a_regs, p_addr + buf * PB, 0)  # O^T was rescaled beside P's exp2
+        elif cutlass.const_expr(self.cfg.pv_order == "per_tile"):
             self._rescale_issue_pv(acc_O, sAlpha[None, buf], lt, a_regs, p_addr + buf * PB)
         else:
             self._rescale_o(acc_O, sAlpha[None, buf], lt, self.cfg.skips_unit_rescale)
             self._stamp(cta, lead, ci, 8 + 8 * wg + 5)  # "O^T rescaled"
             self._issue_pv_regs(acc_O, a_regs, p_addr + buf * PB, 0)
         self._stamp(cta, lead, ci, 8 + 8 * wg + 6)  # "P.V issued"
+        return row_max, row_sum
+
+    @cute.jit
+    def _softmax_rescale_early(self, cta: CTAContext, acc_O: cute.Tensor, sS: cute.Tensor, sPw: cute.Tensor,
+                               sAlpha: cute.Tensor, ci: Int32, tok_begin: Int32, row_end: Int32, row_max: Float32,
+                               row_sum: Float32, srow: Int32, ssub: Int32, s_row: Int32, lead):
+        """The softmax of chunk ci with O^T rescaled beside its exp2 (`DecodeConfig.early_rescale`, research):
+        the rows' maxima and alphas first, the alphas published, P.V(ci - 1) waited for and a barrier of both
+        warpgroups (a thread's O^T rows are other threads' softmax rows), then the 96 or 128 multiplies (FMA
+        pipe) in the same block as P's exp2 (MUFU), where the other order runs them after the P barrier, on the
+        chain before P.V(ci). The same operations on the same values. Returns the running max and sum."""
+        ROWS = self.rows
+        wg = cta.wg
+        buf = ci % 2
+        vals = cute.make_rmem_tensor(cute.make_layout((4 * self.words_per_thread,)), Float32)
+        cmax = -Float32.inf
+        if srow < ROWS:  # (with 48 rows warps 6 and 7 own no row)
+            cmax = self._softmax_max(sS[None, None, None, buf], vals, tok_begin + ci * CHUNK, row_end,
+                                     cta.scale_log2, s_row, ssub)
+            _, _, alpha = self._row_alpha(row_max, cmax)
+            if ssub == 0:
+                sAlpha[srow, buf] = alpha
+        self._wait_mma(acc_O)  # P.V(ci - 1): O^T may be rescaled, its V^T registers reused
+        self._stamp(cta, lead, ci, 8 + 8 * wg + 2)  # "P.V(ci-1) done"
+        cute.arch.barrier(barrier_id=SWG_ALPHA_BAR, number_of_threads=SOFTMAX_THREADS)  # alpha(ci) written
+        # the multiplies in the same block as the exp2 (under a branch of its own the rescale could not
+        # interleave with them), so with 48 rows the threads without a row rescale on the other path
+        if srow < ROWS:
+            self._rescale_o(acc_O, sAlpha[None, buf], cta.lt, False)
+            row_max, row_sum, _ = self._softmax_exp(vals, cmax, sPw[None, None, None, buf], row_max, row_sum,
+                                                    srow, ssub, None, None, Int32(0), False)
+        else:
+            self._rescale_o(acc_O, sAlpha[None, buf], cta.lt, False)
+        self._stamp(cta, lead, ci, 8 + 8 * wg + 1)  # "softmax done" (O^T rescaled)
         return row_max, row_sum
 
     @cute.jit

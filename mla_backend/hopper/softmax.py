@@ -86,16 +86,7 @@ class OnlineSoftmax:
             if cutlass.const_expr(pv_prev):
                 self._issue_pv_part(acc_O, vt, p_prev, 0, 4, True)
         else:
-            new_max = cute.arch.fmax(row_max, cmax)
-            if cutlass.const_expr(self.cfg.lazy_rescale):
-                # the reference max stays while the chunk's max passes it by at most the slack: alpha is then
-                # exactly 1 and the row needs no rescale (with row_max = -inf no finite cmax is within it)
-                if cmax <= row_max + rescale_slack(SCALE):
-                    new_max = row_max
-            use_max = new_max
-            if new_max == -Float32.inf:
-                use_max = Float32(0.0)
-            alpha = cute.math.exp2(row_max - use_max, fastmath=True)
+            new_max, use_max, alpha = self._row_alpha(row_max, cmax)
             csum = Float32(0.0)
             for i in cutlass.range_constexpr(WPT):
                 if cutlass.const_expr(pv_prev and i * tiles_per_word < 4):
@@ -118,6 +109,21 @@ class OnlineSoftmax:
             # H128 q1 page 64 128K x B4 249.0 -> 243.2 and 273.2 -> 267.5).
             new_sum = row_sum * alpha + csum
         return new_max, new_sum, alpha
+
+    @cute.jit
+    def _row_alpha(self, row_max: Float32, cmax: Float32):
+        """A row's new running max after a chunk whose max is cmax, the max P is taken against (0 while the row
+        has seen no token) and alpha = exp2(old max - that), the factor of the output accumulated so far."""
+        new_max = cute.arch.fmax(row_max, cmax)
+        if cutlass.const_expr(self.cfg.lazy_rescale):
+            # the reference max stays while the chunk's max passes it by at most the slack: alpha is then
+            # exactly 1 and the row needs no rescale (with row_max = -inf no finite cmax is within it)
+            if cmax <= row_max + rescale_slack(self.cfg.p_scale):
+                new_max = row_max
+        use_max = new_max
+        if new_max == -Float32.inf:
+            use_max = Float32(0.0)
+        return new_max, use_max, cute.math.exp2(row_max - use_max, fastmath=True)
 
     @cute.jit
     def _row_allreduce(self, val: Float32, is_max: cutlass.Constexpr, lanes: cutlass.Constexpr = None) -> Float32:

@@ -183,6 +183,31 @@ def test_unit_rescale_skip_builds_compile(heads, q_len, options):
     assert fn is not None and fn is not compile_decode(decode_config(heads, q_len, 64, **options))
 
 
+@pytest.mark.parametrize("heads,q_len,options", [(12, 8, {}), (12, 4, {}), (128, 1, {"chunk_pairs": False}),
+                                                 (12, 8, {"kv_loads": "cp_async"}), (12, 8, {"p_planes": 2})])
+def test_s_warpgroup_early_rescale_builds_compile(heads, q_len, options):
+    """O^T rescaled beside P's exp2 in the S^T-warpgroup schedule (`early_rescale`, research) compiles at 48 and 64
+    rows, with either KV load path and either P plane count, as kernels of their own (P.V then issued whole)."""
+    from mla_backend.config import decode_config
+    from mla_backend.hopper.decode import compile_decode
+
+    cfg = decode_config(heads, q_len, 64, early_rescale=True, **options)
+    assert cfg.early_rescale and not cfg.chunk_pairs and cfg.pv_order == "whole"
+    fn = compile_decode(cfg)
+    assert fn is not None and fn is not compile_decode(decode_config(heads, q_len, 64, **options))
+
+
+def test_s_warpgroup_early_rescale_is_checked():
+    from mla_backend.config import decode_config
+
+    for heads, q_len, options in ((16, 2, {}), (12, 1, {}), (12, 8, {"pv_order": "per_tile"}),
+                                  (12, 8, {"lazy_rescale": True}), (12, 8, {"unit_rescale_skip": True}),
+                                  (128, 1, {"chunk_pairs": False, "q_in_registers": True})):
+        with pytest.raises(ValueError, match="early_rescale is an order of"):
+            decode_config(heads, q_len, 64, early_rescale=True, **options)
+    assert not decode_config(12, 8, 64).early_rescale  # research in this schedule
+
+
 PAIRS = {"chunk_pairs": True}
 # the rope in 64-byte rows (36 KB stages) and P stored after the pair before's P.V (one pair's P buffers): 5 ring
 # stages at 64 rows with P.V a pair behind
@@ -291,8 +316,9 @@ def test_chunk_pairs_is_checked():
                              ({"p_exp2_fma": 1, "chunk_pairs": False}, "p_exp2_fma is 0 to 4"),
                              ({"mma_registers": 248}, "mma_registers is one of"),
                              ({"mma_registers": 240, "chunk_pairs": False}, "mma_registers is one of"),
-                             ({"own_chunk_first": True, "s_ahead": True}, "own_chunk_first and early_rescale are"),
-                             ({"early_rescale": True, "chunk_pairs": False}, "own_chunk_first and early_rescale are"),
+                             ({"own_chunk_first": True, "s_ahead": True}, "own_chunk_first is an order"),
+                             ({"own_chunk_first": True, "chunk_pairs": False}, "own_chunk_first is an order"),
+                             ({"early_rescale": True, "s_ahead": True}, "early_rescale is an order"),
                              ({"pv_behind": 5}, "pv_behind is 0"), ({"pv_behind": -1}, "pv_behind is 0"),
                              ({"pv_behind": 2, "p_planes": 2}, "pv_behind is a form"),
                              ({"pv_behind": 2, "num_stages": 3}, "pv_behind is a form"),
@@ -357,6 +383,9 @@ QREGS = {"q_in_registers": True}
     (12, 8, 32, None, 1, {**PAIRS, "s_ahead": True}), (12, 8, 32, None, 1, {**PAIRS, **QREGS}),
     (12, 8, 32, None, 2, {**PAIRS, **QREGS, "s_ahead": True}),
     (12, 8, 32, None, 1, {**PAIRS, **QREGS, "s_ahead": True, "s_chains": 1}),
+    # the S^T-warpgroup schedule with O^T rescaled beside P's exp2 (research), at 48 and 64 rows
+    (12, 8, 32, None, 1, {"early_rescale": True}), (12, 8, 32, None, 2, {"early_rescale": True}),
+    (128, 1, 64, 64, 1, {"chunk_pairs": False, "early_rescale": True}),
     # its research orders and budgets
     (128, 1, 64, 64, 1, {**PAIRS, "mma_registers": 240}),
     (128, 1, 64, 64, 1, {**PAIRS, "p_exp2_fma": 2, "own_chunk_first": True, "early_rescale": True}),
@@ -483,6 +512,11 @@ GPU_CASES = [
     (16, 4, 64, 32, True, [4, 5, 64, 1500, 77], 9, {**PAIRS, "early_rescale": False, "mma_registers": 240}),
     (12, 8, 32, 64, True, [8, 9, 100, 1000, 4000, 65], 9,
      {**PAIRS, "own_chunk_first": True, "early_rescale": True, "p_exp2_fma": 2}),
+    # the S^T-warpgroup schedule with O^T rescaled beside P's exp2 (research): 48 rows, one block of 48 by
+    # cp.async, 64 rows
+    (12, 8, 32, 64, True, [8, 9, 100, 1000, 4000, 65], 9, {"early_rescale": True}),
+    (12, 4, 64, 64, True, [4, 5, 64, 1500, 77, 3000], 7, {"early_rescale": True, "kv_loads": "cp_async"}),
+    (128, 1, 64, 64, True, [1, 700, 3000, 64], 8, {"early_rescale": True, "chunk_pairs": False}),
     # 48-row blocks with Q's first 8 k32 steps in the MMA warpgroups' registers
     (12, 8, 32, 64, True, [8, 9, 100, 1000, 4000, 65], 9, {**PAIRS, "q_in_registers": True}),
     (12, 4, 64, 64, True, [4, 5, 64, 1500, 77, 3000], 7, {**PAIRS, "q_in_registers": True, "s_ahead": True}),
@@ -609,14 +643,17 @@ def test_matches_reference_gpu(num_heads, q_len, page_size, tile_tokens, causal,
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_heads,q_len,page_size,options", [(128, 1, 64, {}), (16, 4, 64, {"s_chains": 1}),
-                                                               (12, 8, 32, PAIRS)])
+                                                               (12, 8, 32, PAIRS), (12, 8, 32, {}),
+                                                               (12, 4, 64, {"kv_loads": "cp_async"}),
+                                                               (128, 1, 64, {"chunk_pairs": False})])
 def test_early_rescale_changes_no_bit_gpu(num_heads, q_len, page_size, options):
-    """O^T rescaled beside P's exp2 (`early_rescale`, the chunk-pairs default) instead of after the P barrier
-    multiplies the same values by the same alphas: every output and lse bit equals the other order's."""
+    """O^T rescaled beside P's exp2 (`early_rescale`: the chunk-pairs default, research in the S^T-warpgroup
+    schedule) instead of after the P barrier multiplies the same values by the same alphas: every output and lse
+    bit equals the other order's (in the S^T-warpgroup schedule at 48 rows, the default per-tile order's)."""
     from mla_backend.config import decode_config
 
     early, late = (decode_config(num_heads, q_len, page_size, early_rescale=e, **options) for e in (True, False))
-    assert early.chunk_pairs and late.chunk_pairs
+    assert early.chunk_pairs == late.chunk_pairs == options.get("chunk_pairs", late.rows_per_block == 64)
     _assert_launches_agree(early, late, [1, 700, 3000, 64, 20000], seed=13, num_ctas=12)
 
 
