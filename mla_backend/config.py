@@ -130,9 +130,9 @@ class DecodeConfig:
     (research, PAIRS_MMA_REGISTERS) sets its MMA warpgroups' register budget; `own_chunk_first` (research) has each
     warpgroup run P.V of its own chunk of a pair before the other's, ahead of the barrier on the other's P, and
     `early_rescale` (the phase-after-phase form's default with one P plane, `default_early_rescale`; research in
-    the S^T-warpgroup schedule at 48 and 64 rows) rescales O^T beside P's exp2 instead of after the P barrier; `pv_behind` (research, 1-4; one P plane, 4 stages) runs each
-    pair's P.V during the next pair, a dim tile of a chunk at a time between its P's words with at most that many
-    in flight, so that the tensor pipe has work while the softmax runs (the same arithmetic in the same order),
+    the S^T-warpgroup schedule at 48 and 64 rows) rescales O^T beside P's exp2 instead of after the P barrier;
+    `pv_behind` (research, 1-4; one P plane, 4 stages) runs each pair's P.V during the next pair, a dim tile of a
+    chunk at a time between its P's words with at most that many in flight, so that the tensor pipe has work while the softmax runs (the same arithmetic in the same order),
     and with `s_under_rescale` (research) issues the next pair's S (at 64 rows its first chain) before the P
     barrier instead of after it; `kv_prefetch` (research, 0-8) has its load warp prefetch the chunk that many ahead of each TMA
     load into L2 (`ptx.prefetch_l2_bulk`), before it waits for that load's stage. `rope_rows` (research, 64; the
@@ -321,8 +321,7 @@ def default_kv_box_tokens(page_size: int, tile_tokens: int) -> int:
 def default_pv_order(rows_per_block: int, whole_only: bool = False) -> str:
     """"per_tile" for 48 rows (unless whole_only: the research switches lazy_rescale and unit_rescale_skip, whose
     skip it has no form for, the chunk_pairs schedule, which rescales once a pair, and early_rescale, which
-    rescales before the P barrier), "whole" otherwise. H200,
-    decode alone, one process, outputs identical, whole -> per_tile: H12 q8 page 64 128K x B4 179.8 -> 169.0 and
+    rescales before the P barrier), "whole" otherwise. H200, decode alone, one process, outputs identical, whole -> per_tile: H12 q8 page 64 128K x B4 179.8 -> 169.0 and
     180.1 -> 167.5 us, 1M x B1 338.2 -> 316.7 and 348.4 -> 324.5 (two runs); at 64 rows no faster (H128 q1 page 64
     128K x B4 201.1 -> 206.2, H16 q4 page 64 1M x B2 404.0 -> 413.9), and ptxas spills 12 bytes there."""
     return "per_tile" if rows_per_block == 48 and not whole_only else "whole"
