@@ -49,13 +49,16 @@ def check_kv_lengths(lengths, name: str = "seq_lens") -> None:
 
 
 def default_rows_per_block(num_heads: int, q_len: int) -> int:
-    """Query rows (q_len x H) per CTA of the SM90 decode kernel: 16 when they fit (the ping-pong schedule),
-    otherwise the fewest row blocks of 32, 48 or 64 rows, the smallest block on a tie. Each row block reads
-    the request's KV span once more (fewer padded rows and more free registers decide the tie)."""
+    """Query rows (q_len x H) per CTA of the SM90 decode kernel: 16 when they fit (the ping-pong schedule), one
+    block of 32, 48 or 64 rows when one holds them (the smallest that does), otherwise blocks of 64 rows (the
+    chunk-pairs schedule). Each row block reads the request's KV span once more, so more than 64 rows take the
+    fewest blocks; 64 gives that count wherever 48 does, and ran faster there than 48-row blocks of the
+    S^T-warpgroup schedule (65-96 rows, 10 of 11 shapes; experiments.md); within one block the smaller one is
+    faster."""
     rows = num_heads * q_len
     if rows <= 16:
         return 16
-    return min((32, 48, 64), key=lambda size: (-(-rows // size), size))
+    return next((size for size in (32, 48) if rows <= size), 64)
 
 
 def decode_row_blocks(num_heads: int, q_len: int) -> int:

@@ -159,10 +159,11 @@ def test_pv_order_by_rows_and_checked():
 
     from mla_backend.config import decode_config
 
-    assert decode_config(12, 8, 64).pv_order == "per_tile"  # 96 rows: two 48-row blocks
+    assert decode_config(12, 4, 64).pv_order == "per_tile"  # 48 rows
+    assert decode_config(12, 8, 64).pv_order == "whole"  # 96 rows: two 64-row blocks
     assert decode_config(128, 1, 64).pv_order == "whole"
     assert decode_config(128, 1, 64, pv_order="per_tile").pv_order == "per_tile"
-    assert decode_config(12, 8, 64, lazy_rescale=True).pv_order == "whole"  # the research switch's own order
+    assert decode_config(12, 4, 64, lazy_rescale=True).pv_order == "whole"  # the research switch's own order
     with pytest.raises(ValueError, match="pv_order='per_tile' is an order of 48- and 64-row blocks"):
         decode_config(16, 2, 64, pv_order="per_tile")
     with pytest.raises(ValueError, match="pv_order must be one of"):

@@ -64,7 +64,8 @@ from mla_backend.hopper.combine import compile_combine
 from mla_backend.hopper.decode import compile_decode
 from mla_backend.hopper.planner import compile_planner
 compile_decode(config.decode_config(12, 1, 32))  # 16 rows: the ping-pong schedule
-compile_decode(config.decode_config(12, 8, 32))  # 48 rows: the S^T warpgroup schedule
+compile_decode(config.decode_config(12, 4, 32))  # 48 rows: the S^T warpgroup schedule
+compile_decode(config.decode_config(12, 8, 32))  # two 64-row blocks: the chunk-pairs schedule
 compile_planner(config.PlannerConfig(16, 132, 64, 4, form="warp"))
 compile_planner(config.PlannerConfig(512, 132, 64, 4, form="cta"))
 compile_combine(config.combine_config(4, 12, 132, 132))  # (both modes are one class: one entry name)
@@ -81,7 +82,7 @@ def test_each_compiled_kernel_is_found_by_its_own_kind_only(tmp_path):
     subprocess.run([sys.executable, "-c", _COMPILE], env=env, check=True, capture_output=True)
     entries = sorted(e for path in tmp_path.glob("*.ptx") for e in re.findall(r"\.entry (\w+)\(", path.read_text()))
     kinds = {e: [kind for kind, marker in timing.KERNEL_KINDS if marker in e] for e in entries}
-    assert sorted(k for ks in kinds.values() for k in ks) == ["combine"] + ["decode"] * 2 + ["planner"] * 2, \
+    assert sorted(k for ks in kinds.values() for k in ks) == ["combine"] + ["decode"] * 3 + ["planner"] * 2, \
         json.dumps(kinds, indent=1)
     assert all(len(ks) == 1 for ks in kinds.values())
     # and a trace of those names is cut into steps by kind

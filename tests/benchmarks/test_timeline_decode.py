@@ -45,7 +45,7 @@ def test_every_schedule_a_timeline_stamps_names_its_events():
 def test_main_refuses_bad_arguments_before_anything_runs(capsys):
     assert tl.main(["--case", "12 1 32 4096 1"]) == 2
     assert "S^T-warpgroup schedule" in capsys.readouterr().err
-    assert tl.main(["--case", "12 8 32 4096 1", "--row-block", "2"]) == 2  # 96 rows: 2 blocks of 48
+    assert tl.main(["--case", "12 8 32 4096 1", "--row-block", "2"]) == 2  # 96 rows: 2 blocks of 64
     assert "2 row blocks" in capsys.readouterr().err
     assert tl.main(["--case", "12 8 32 4096 1", "--variant", "skip=nothing"]) == 2
     assert "unknown part 'nothing'" in capsys.readouterr().err
@@ -53,7 +53,7 @@ def test_main_refuses_bad_arguments_before_anything_runs(capsys):
 
 def test_the_stamps_fit_the_spare_slots_and_are_read_where_the_kernel_writes_them():
     # 40 chunks x 32 stamps x 4 bytes = 5 KB per stamped CTA, 4 stamped CTAs per row block
-    cfg = tl.timeline_config((12, 8, 32, 4096, 1))  # 96 rows in 2 row blocks of 48: 40 KB of stamps
+    cfg = tl.timeline_config((12, 8, 32, 4096, 1))  # 96 rows in 2 row blocks of 64: 40 KB of stamps
     slot_bytes = cfg.num_rows * 512 * 2  # fp16 partials: 96 KB
     assert tl.stamp_slots(cfg, slot_bytes) == 1
     small = tl.timeline_config((12, 1, 32, 4096, 1), 0, {"rows_per_block": 32})  # 12 rows: 20 KB, slots of 12 KB

@@ -20,9 +20,10 @@ from mla_backend.hopper.decode import run_decode  # noqa: E402
 from mla_backend.plan import plan_splits  # noqa: E402
 from mla_inputs import make_decode_inputs  # noqa: E402
 
-# 16-row ping-pong, 64-row blocks (H16 q4: one, H128 q2: four), 48-row blocks (H12 q8: two)
+# 16-row ping-pong, 64-row blocks (H16 q4: one, H128 q2: four, H12 q8: two, half of the second padding), a 48-row
+# block (H12 q4)
 for heads, q_len, page, lengths in [(12, 1, 32, [0, 1, 31, 33, 700]), (16, 4, 64, [1, 2, 65, 3000]),
-                                    (128, 2, 32, [5, 129]), (12, 8, 32, [8, 9, 700])]:
+                                    (128, 2, 32, [5, 129]), (12, 8, 32, [8, 9, 700]), (12, 4, 32, [4, 5, 700])]:
     q, kv, bt, sl, qs, ks = make_decode_inputs(lengths, q_len=q_len, num_heads=heads, page_size=page, device="cuda",
                                                extra_pages=0)
     out, lse = mla_decode(q, kv, bt, sl, softmax_scale=0.05, q_scale=qs, k_scale=ks)
@@ -49,14 +50,15 @@ def run_chunk_pairs(heads, q_len, page, options, q, kv, bt, sl, qs, ks):
 # 64 rows, 48 rows padded to S's 64; S a pair ahead, P.V a pair behind, the chunks prefetched into L2, the rope
 # in 64-byte rows with 5 stages
 for heads, q_len, page, lengths, options in [(128, 1, 64, [5, 129, 700], {}),
-                                             (12, 8, 32, [8, 9, 700], {"s_ahead": True}),
+                                             (12, 8, 32, [8, 9, 700], {"rows_per_block": 48, "s_ahead": True}),
                                              (16, 4, 64, [1, 65, 3000], {"s_ahead": True}),
                                              (16, 4, 64, [1, 65, 3000], {"pv_behind": 3, "kv_prefetch": 4}),
-                                             (12, 8, 32, [8, 9, 700], {"pv_behind": 2, "kv_prefetch": 2}),
+                                             (12, 8, 32, [8, 9, 700], {"rows_per_block": 48, "pv_behind": 2,
+                                                                         "kv_prefetch": 2}),
                                              (128, 1, 64, [5, 129, 700], {"pv_behind": 3, "s_under_rescale": True}),
                                              (16, 4, 64, [1, 65, 3000], {"pv_behind": 3, "rope_rows": 64,
                                                                          "p_after_pv": True, "num_stages": 5}),
-                                             (12, 8, 64, [8, 9, 700], {"rope_rows": 64})]:
+                                             (12, 8, 64, [8, 9, 700], {"rows_per_block": 48, "rope_rows": 64})]:
     run_chunk_pairs(heads, q_len, page, options,
                     *make_decode_inputs(lengths, q_len=q_len, num_heads=heads, page_size=page, device="cuda",
                                         extra_pages=0))

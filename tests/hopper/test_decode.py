@@ -23,6 +23,11 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+ROWS_32 = {"rows_per_block": 32}
+# H12 q_len 8 (96 rows) runs two 64-row blocks by default; this keeps its 48-row forms under test
+ROWS_48 = {"rows_per_block": 48}
+ROWS_64 = {"rows_per_block": 64}
+
 # (num_heads, q_len, page_size, tile_tokens, causal)
 SHAPES = [
     (12, 1, 32, 64, True),
@@ -30,7 +35,7 @@ SHAPES = [
     (128, 8, 32, 64, True),
     (8, 1, 64, 64, False),
     (16, 4, 64, 32, True),
-    (12, 8, 32, 64, True),  # MTP verify: 96 rows in 2 row blocks of 48
+    (12, 8, 32, 64, True),  # MTP verify: 96 rows in 2 row blocks of 64
     (64, 1, 64, 64, False),
 ]
 
@@ -55,12 +60,12 @@ def test_configurations_pick_the_schedule_stages_and_rows():
     from mla_backend.hopper.decode import decode_kernel
 
     expected = {(12, 1): (16, 4, "rows16", 1), (16, 2): (32, 4, "swg_tma", 1), (12, 4): (48, 3, "swg_tma", 1),
-                (12, 8): (48, 3, "swg_tma", 2), (128, 1): (64, 4, "pairs", 2), (16, 4): (64, 4, "pairs", 1)}
+                (12, 8): (64, 4, "pairs", 2), (128, 1): (64, 4, "pairs", 2), (16, 4): (64, 4, "pairs", 1)}
     for (h, q), (rows, stages, schedule, blocks) in expected.items():
         cfg = decode_config(h, q, 32)
         assert (cfg.rows_per_block, cfg.num_stages, cfg.schedule, cfg.num_row_blocks) == (rows, stages, schedule,
                                                                                             blocks), (h, q)
-    op = decode_kernel(decode_config(12, 8, 32))
+    op = decode_kernel(decode_config(12, 4, 32))
     assert (op.tpr, op.softmax_threads, op.num_threads) == (4, 192, 384)
     op = decode_kernel(decode_config(12, 1, 32))
     assert (op.tpr, op.softmax_threads, op.num_threads) == (8, 128, 256) and op.l2_prefetch_copies
@@ -72,11 +77,19 @@ def test_configurations_pick_the_schedule_stages_and_rows():
 
 
 def test_default_rows_per_block_takes_the_fewest_row_blocks():
-    """Each row block reads the KV span again: the fewest blocks, the smallest block among equals."""
+    """Each row block reads the KV span again: the fewest blocks; one block as small as holds the rows, and past
+    one block blocks of 64 (as few as 48-row ones give, and faster)."""
     from mla_backend.shapes import default_rows_per_block
 
     expected = {(12, 1): 16, (16, 1): 16, (8, 2): 16, (16, 2): 32, (12, 2): 32, (12, 4): 48, (16, 4): 64,
-                (12, 8): 48, (16, 8): 64, (128, 1): 64, (128, 2): 64, (32, 1): 32, (40, 1): 48}
+                (12, 8): 64, (12, 6): 64, (16, 5): 64, (16, 8): 64, (128, 1): 64, (128, 2): 64, (32, 1): 32,
+                (40, 1): 48, (48, 3): 64, (96, 1): 64}
+    for h in range(8, 129):
+        for q in range(1, 9):
+            rows = h * q
+            size = default_rows_per_block(h, q)
+            fewest = min(-(-rows // s) for s in (16, 32, 48, 64) if s > 16 or rows <= 16)
+            assert -(-rows // size) == fewest, (h, q, size)
     for (h, q), rows in expected.items():
         assert default_rows_per_block(h, q) == rows, (h, q)
 
@@ -122,18 +135,19 @@ def test_one_chain_s_builds_compile(heads, q_len, page_size):
 
 
 @pytest.mark.parametrize("heads,q_len,page_size,options", [(12, 1, 32, {}), (16, 2, 64, {}), (12, 8, 32, {}),
+                                                           (12, 8, 32, {"rows_per_block": 48}),
                                                            (16, 4, 64, {"kv_loads": "cp_async"})])
 def test_poisoned_shared_memory_builds_compile(heads, q_len, page_size, options):
     """The shared-memory check builds (`DecodeConfig.poison_smem`) compile for every schedule and load path, and
-    the regions they fill (`smem_region_bytes`, which also sizes the kernel's SharedStorage) are whole 16-byte
-    pieces that fit a CTA."""
+    the regions they fill (the schedule's `smem_regions`, which also size the kernel's SharedStorage) are whole
+    16-byte pieces that fit a CTA."""
     from mla_backend.config import decode_config
-    from mla_backend.hopper.decode import compile_decode
-    from mla_backend.hopper.decode_layout import SM90_SMEM_CAPACITY, smem_region_bytes
+    from mla_backend.hopper.decode import compile_decode, decode_kernel
+    from mla_backend.hopper.decode_layout import SM90_SMEM_CAPACITY
 
     cfg = decode_config(heads, q_len, page_size, poison_smem=True, **options)
     assert compile_decode(cfg) is not None
-    regions = smem_region_bytes(cfg.rows_per_block, cfg.num_stages, cfg.p_planes)
+    regions = decode_kernel(cfg).smem_regions()
     assert all(n > 0 and n % 16 == 0 for n in regions.values()), regions
     assert sum(regions.values()) <= SM90_SMEM_CAPACITY
 
@@ -166,12 +180,12 @@ def test_research_switches_are_checked():
     for options in ({"rows_per_block": 48}, {"kv_loads": "cp_async"}):
         with pytest.raises(ValueError, match="q_in_registers is a form of the TMA S"):
             decode_config(128, 1, 64, q_in_registers=True, **options)
-    assert decode_config(12, 8, 32, unit_rescale_skip=True).pv_order == "whole"  # per_tile has no skip
+    assert decode_config(12, 4, 32, unit_rescale_skip=True).pv_order == "whole"  # per_tile has no skip
     with pytest.raises(ValueError, match="without lazy_rescale or unit_rescale_skip"):
-        decode_config(12, 8, 32, unit_rescale_skip=True, pv_order="per_tile")
+        decode_config(12, 4, 32, unit_rescale_skip=True, pv_order="per_tile")
 
 
-@pytest.mark.parametrize("heads,q_len,options", [(12, 8, {}), (128, 1, {}), (16, 2, {}),
+@pytest.mark.parametrize("heads,q_len,options", [(12, 8, ROWS_48), (128, 1, {}), (16, 2, {}),
                                                  (128, 1, {"q_in_registers": True})])
 def test_unit_rescale_skip_builds_compile(heads, q_len, options):
     """The exact skip of a thread's O^T rescale where its alphas are all 1 (`unit_rescale_skip`, research)
@@ -183,8 +197,9 @@ def test_unit_rescale_skip_builds_compile(heads, q_len, options):
     assert fn is not None and fn is not compile_decode(decode_config(heads, q_len, 64, **options))
 
 
-@pytest.mark.parametrize("heads,q_len,options", [(12, 8, {}), (12, 4, {}), (128, 1, {"chunk_pairs": False}),
-                                                 (12, 8, {"kv_loads": "cp_async"}), (12, 8, {"p_planes": 2})])
+@pytest.mark.parametrize("heads,q_len,options", [(12, 8, ROWS_48), (12, 4, {}), (128, 1, {"chunk_pairs": False}),
+                                                 (12, 8, {**ROWS_48, "kv_loads": "cp_async"}),
+                                                 (12, 8, {**ROWS_48, "p_planes": 2})])
 def test_s_warpgroup_early_rescale_builds_compile(heads, q_len, options):
     """O^T rescaled beside P's exp2 in the S^T-warpgroup schedule (`early_rescale`, research) compiles at 48 and 64
     rows, with either KV load path and either P plane count, as kernels of their own (P.V then issued whole)."""
@@ -200,12 +215,12 @@ def test_s_warpgroup_early_rescale_builds_compile(heads, q_len, options):
 def test_s_warpgroup_early_rescale_is_checked():
     from mla_backend.config import decode_config
 
-    for heads, q_len, options in ((16, 2, {}), (12, 1, {}), (12, 8, {"pv_order": "per_tile"}),
-                                  (12, 8, {"lazy_rescale": True}), (12, 8, {"unit_rescale_skip": True}),
+    for heads, q_len, options in ((16, 2, {}), (12, 1, {}), (12, 4, {"pv_order": "per_tile"}),
+                                  (12, 4, {"lazy_rescale": True}), (12, 4, {"unit_rescale_skip": True}),
                                   (128, 1, {"chunk_pairs": False, "q_in_registers": True})):
         with pytest.raises(ValueError, match="early_rescale is an order of"):
             decode_config(heads, q_len, 64, early_rescale=True, **options)
-    assert not decode_config(12, 8, 64).early_rescale  # research in this schedule
+    assert not decode_config(12, 4, 64).early_rescale  # research in this schedule (48 rows)
 
 
 PAIRS = {"chunk_pairs": True}
@@ -222,25 +237,25 @@ DEEP_RING = {"pv_behind": 3, "rope_rows": 64, "p_after_pv": True, "num_stages": 
     (128, 1, 64, {"s_ahead": True}), (16, 4, 64, {"s_ahead": True, "s_chains": 1, "p_planes": 2}),
     (128, 1, 64, {"s_ahead": True, "timeline": 0, "unit_rescale_skip": True}),
     # 48-row blocks (S's rows padded to 64), Q's first k32 steps in registers there
-    (12, 8, 32, {}), (12, 4, 64, {"s_ahead": True, "p_planes": 2}), (16, 2, 32, {"rows_per_block": 48}),
-    (12, 8, 32, {"q_in_registers": True}), (12, 4, 64, {"q_in_registers": True, "s_ahead": True, "s_chains": 1}),
+    (12, 8, 32, ROWS_48), (12, 4, 64, {"s_ahead": True, "p_planes": 2}), (16, 2, 32, ROWS_48),
+    (12, 8, 32, {**ROWS_48, "q_in_registers": True}), (12, 4, 64, {"q_in_registers": True, "s_ahead": True, "s_chains": 1}),
     # its research orders and budgets: P's exp2 partly on the FMA pipe, the own chunk's P.V first, the rescale
     # after the P barrier (early_rescale=False; beside P is the default), the MMA warpgroups at 240 registers
     (128, 1, 64, {"p_exp2_fma": 2, "own_chunk_first": True, "early_rescale": True, "mma_registers": 240}),
-    (16, 4, 64, {"p_exp2_fma": 4, "p_planes": 2}), (12, 8, 32, {"p_exp2_fma": 1, "own_chunk_first": True}),
+    (16, 4, 64, {"p_exp2_fma": 4, "p_planes": 2}), (12, 8, 32, {**ROWS_48, "p_exp2_fma": 1, "own_chunk_first": True}),
     (12, 4, 64, {"early_rescale": False, "mma_registers": 240}),
     # P.V a pair behind, under the next pair's softmax (pv_behind: its units in flight), with the other switches
-    (128, 1, 64, {"pv_behind": 3}), (12, 8, 32, {"pv_behind": 2, "q_in_registers": True}),
+    (128, 1, 64, {"pv_behind": 3}), (12, 8, 32, {**ROWS_48, "pv_behind": 2, "q_in_registers": True}),
     (16, 4, 64, {"pv_behind": 1, "s_chains": 1, "timeline": 0}),
     (128, 1, 64, {"pv_behind": 3, "s_under_rescale": True}),
-    (12, 8, 32, {"pv_behind": 4, "s_under_rescale": True, "s_chains": 1, "timeline": 2}),
+    (12, 8, 32, {**ROWS_48, "pv_behind": 4, "s_under_rescale": True, "s_chains": 1, "timeline": 2}),
     (16, 4, 32, {"tile_tokens": 32, "pv_behind": 4, "unit_rescale_skip": True, "p_exp2_fma": 1}),
     # the chunks prefetched into L2 ahead of their boxes (kv_prefetch): whole- and half-chunk boxes, 48 rows
     (128, 1, 64, {"kv_prefetch": 2}), (16, 4, 32, {"tile_tokens": 32, "kv_prefetch": 8, "pv_behind": 2}),
-    (12, 8, 32, {"kv_prefetch": 1}),
+    (12, 8, 32, {**ROWS_48, "kv_prefetch": 1}),
     # the rope in 64-byte rows (rope_rows), P stored after the pair before's P.V (p_after_pv), 5 stages with both
     (128, 1, 64, DEEP_RING), (16, 4, 64, {**DEEP_RING, "s_under_rescale": True, "kv_prefetch": 2}),
-    (12, 8, 64, {**DEEP_RING, "q_in_registers": True}), (128, 1, 64, {"rope_rows": 64}),
+    (12, 8, 64, {**ROWS_48, **DEEP_RING, "q_in_registers": True}), (128, 1, 64, {"rope_rows": 64}),
     (64, 1, 64, {"rope_rows": 64, "p_planes": 2, "s_ahead": True}), (128, 1, 64, {"pv_behind": 2, "p_after_pv": True}),
     (12, 4, 64, {"rope_rows": 64, "timeline": 0}), (128, 1, 64, {**DEEP_RING, "skip": frozenset({"softmax"})})])
 def test_chunk_pairs_builds_compile(heads, q_len, page_size, options):
@@ -281,19 +296,19 @@ def test_chunk_pairs_is_checked():
         with pytest.raises(ValueError, match="chunk_pairs is a schedule of 48- and 64-row blocks"):
             decode_config(128, 1, 64, chunk_pairs=True, **options)
     with pytest.raises(ValueError, match="s_ahead is a form of the chunk_pairs schedule"):
-        decode_config(12, 8, 32, s_ahead=True)
+        decode_config(12, 4, 32, s_ahead=True)
     with pytest.raises(ValueError, match="s_ahead is a form of the chunk_pairs schedule"):
         decode_config(128, 1, 64, s_ahead=True, chunk_pairs=False)
     with pytest.raises(ValueError, match="q_in_registers with chunk_pairs is for 48-row blocks"):
         decode_config(128, 1, 64, chunk_pairs=True, q_in_registers=True)
-    assert decode_config(12, 8, 32, chunk_pairs=True, q_in_registers=True).s_chains == 2  # two unless asked
+    assert decode_config(12, 4, 32, chunk_pairs=True, q_in_registers=True).s_chains == 2  # two unless asked
     # S a pair ahead waits for the next pair's chunks before it releases this pair's: 3 stages would hang
     with pytest.raises(ValueError, match="s_ahead needs 4 ring stages"):
         decode_config(128, 1, 64, chunk_pairs=True, s_ahead=True, num_stages=3)
     assert decode_config(128, 1, 64, chunk_pairs=True, num_stages=3).num_stages == 3
     # 64 rows run it by default (with 4 stages), unless a switch of the S^T-warpgroup schedule is asked for
-    assert [decode_config(h, q, 64).chunk_pairs for h, q in ((128, 1), (16, 4), (12, 8), (16, 2))] == [
-        True, True, False, False]
+    assert [decode_config(h, q, 64).chunk_pairs for h, q in ((128, 1), (16, 4), (12, 8), (12, 4), (16, 2))] == [
+        True, True, True, False, False]
     assert decode_config(128, 1, 64).num_stages == 4 and decode_config(128, 1, 64, num_stages=3).chunk_pairs
     for options, schedule in (({"kv_loads": "cp_async"}, "swg"), ({"q_in_registers": True}, "swg_tma_qregs"),
                               ({"lazy_rescale": True}, "swg_tma"), ({"pv_order": "per_tile"}, "swg_tma"),
@@ -303,8 +318,8 @@ def test_chunk_pairs_is_checked():
         assert decode_config(128, 1, page, **options).schedule == schedule, options
     assert 2 * PAIRS_REGS_MMA + PAIRS_REGS_LOAD == 3 * 168  # what a 384-thread launch gives each thread triple
     # the phase-after-phase form rescales O^T beside P's exp2 unless told otherwise (S ahead has no such order)
-    assert [decode_config(h, q, 64).early_rescale for h, q in ((128, 1), (16, 4), (12, 8), (16, 2))] == [
-        True, True, False, False]
+    assert [decode_config(h, q, 64).early_rescale for h, q in ((128, 1), (16, 4), (12, 8), (12, 4), (16, 2))] == [
+        True, True, True, False, False]
     assert not decode_config(128, 1, 64, s_ahead=True).early_rescale
     assert not decode_config(128, 1, 64, early_rescale=False).early_rescale
     assert not decode_config(128, 1, 64, chunk_pairs=False).early_rescale
@@ -374,17 +389,17 @@ QREGS = {"q_in_registers": True}
 @pytest.mark.parametrize("num_heads,q_len,page_size,rows,planes,options", [
     (12, 1, 32, None, 2, {}), (16, 2, 64, None, 2, {}), (12, 8, 32, None, 2, {}), (128, 8, 32, None, 2, {}),
     (12, 8, 32, 48, 2, {}), (128, 1, 64, 48, 2, {}), (128, 1, 64, 64, 2, {}), (12, 1, 32, None, 1, {}),
-    (12, 8, 32, None, 1, {}), (128, 1, 64, 64, 1, {}),
+    (12, 8, 32, None, 1, {}), (12, 8, 32, 48, 1, {}), (128, 1, 64, 64, 1, {}),
     # Q in the S warpgroup's registers (research): 14 k32 steps with one S chain, 7 with two
     (128, 1, 64, 64, 1, QREGS), (16, 4, 64, None, 2, {**QREGS, "s_chains": 2}),
     # the chunk-pairs schedule (research), phase after phase and with S a pair ahead
     (128, 1, 64, 64, 1, PAIRS), (16, 4, 64, None, 2, PAIRS), (128, 1, 64, 64, 1, {**PAIRS, "s_ahead": True}),
-    (16, 4, 64, None, 2, {**PAIRS, "s_ahead": True}), (12, 8, 32, None, 2, PAIRS),
-    (12, 8, 32, None, 1, {**PAIRS, "s_ahead": True}), (12, 8, 32, None, 1, {**PAIRS, **QREGS}),
-    (12, 8, 32, None, 2, {**PAIRS, **QREGS, "s_ahead": True}),
-    (12, 8, 32, None, 1, {**PAIRS, **QREGS, "s_ahead": True, "s_chains": 1}),
+    (16, 4, 64, None, 2, {**PAIRS, "s_ahead": True}), (12, 8, 32, 48, 2, PAIRS),
+    (12, 8, 32, 48, 1, {**PAIRS, "s_ahead": True}), (12, 8, 32, 48, 1, {**PAIRS, **QREGS}),
+    (12, 8, 32, 48, 2, {**PAIRS, **QREGS, "s_ahead": True}),
+    (12, 8, 32, 48, 1, {**PAIRS, **QREGS, "s_ahead": True, "s_chains": 1}),
     # the S^T-warpgroup schedule with O^T rescaled beside P's exp2 (research), at 48 and 64 rows
-    (12, 8, 32, None, 1, {"early_rescale": True}), (12, 8, 32, None, 2, {"early_rescale": True}),
+    (12, 8, 32, 48, 1, {"early_rescale": True}), (12, 8, 32, 48, 2, {"early_rescale": True}),
     (128, 1, 64, 64, 1, {"chunk_pairs": False, "early_rescale": True}),
     # its research orders and budgets
     (128, 1, 64, 64, 1, {**PAIRS, "mma_registers": 240}),
@@ -392,20 +407,20 @@ QREGS = {"q_in_registers": True}
     (16, 4, 64, None, 2, {**PAIRS, "p_exp2_fma": 1, "mma_registers": 240, "early_rescale": True}),
     # P.V a pair behind: at 64 rows as many units in flight as it allows, and at 48 beside Q's registers
     (128, 1, 64, 64, 1, {**PAIRS, "pv_behind": 4}), (16, 4, 64, None, 1, {**PAIRS, "pv_behind": 1, "p_exp2_fma": 2}),
-    (12, 8, 32, None, 1, {**PAIRS, **QREGS, "pv_behind": 4}),
+    (12, 8, 32, 48, 1, {**PAIRS, **QREGS, "pv_behind": 4}),
     # the next pair's S issued before the P barrier: at 64 rows its first chain with up to 3 units in flight (4 spill
     # 8 bytes, and with the L2 prefetch one value spills 4), at 48 rows both chains with 4, the first beside Q's
     # registers with 2
     (128, 1, 64, 64, 1, {**PAIRS, "pv_behind": 3, "s_under_rescale": True}),
-    (12, 8, 32, None, 1, {**PAIRS, "pv_behind": 4, "s_under_rescale": True}),
-    (12, 8, 32, None, 1, {**PAIRS, **QREGS, "pv_behind": 2, "s_under_rescale": True}),
+    (12, 8, 32, 48, 1, {**PAIRS, "pv_behind": 4, "s_under_rescale": True}),
+    (12, 8, 32, 48, 1, {**PAIRS, **QREGS, "pv_behind": 2, "s_under_rescale": True}),
     # the L2 prefetch in the load warpgroup's 40 registers: its farthest, half-chunk boxes (two pages a chunk)
     (128, 1, 64, 64, 1, {**PAIRS, "kv_prefetch": 8, "pv_behind": 3}),
     (16, 4, 64, None, 2, {**PAIRS, "kv_prefetch": 8, "kv_box_tokens": 32}),
     # 5 stages of 36 KB with P stored after the pair before's P.V: its 8 words a thread held across the units
     (128, 1, 64, 64, 1, {**PAIRS, **DEEP_RING, "pv_behind": 4}),
     (128, 1, 64, 64, 1, {**PAIRS, **DEEP_RING, "s_under_rescale": True, "kv_prefetch": 2}),
-    (12, 8, 64, None, 1, {**PAIRS, **DEEP_RING, **QREGS, "pv_behind": 2})])
+    (12, 8, 64, 48, 1, {**PAIRS, **DEEP_RING, **QREGS, "pv_behind": 2})])
 def test_no_spills(tmp_path, num_heads, q_len, page_size, rows, planes, options):
     ptxas = ptxas_path()
     assert ptxas, "ptxas (pip install 'cute-mla-fp8[test]' brings it) is needed: the spill check is part of the CPU suite"
@@ -436,9 +451,6 @@ def test_no_spills(tmp_path, num_heads, q_len, page_size, rows, planes, options)
         assert ("cp.async.cg.shared.global.L2::128B" in f.read()) == pingpong
 
 
-ROWS_48 = {"rows_per_block": 48}
-ROWS_64 = {"rows_per_block": 64}
-ROWS_32 = {"rows_per_block": 32}
 
 GPU_CASES = [
     # (num_heads, q_len, page_size, tile_tokens, causal, lengths, num_ctas, kernel options)
@@ -449,14 +461,14 @@ GPU_CASES = [
     (128, 8, 32, 64, True, [8, 100, 1000], 8, {}),
     (8, 1, 64, 64, False, [0, 1, 64, 2000, 0, 333], 7, {}),
     (16, 4, 64, 32, True, [4, 5, 64, 1500, 77], 9, {}),
-    (12, 8, 32, 64, True, [8, 9, 100, 1000, 4000, 65], 9, {}),  # default: 96 rows as two full 48-row blocks
+    (12, 8, 32, 64, True, [8, 9, 100, 1000, 4000, 65], 9, {}),  # default: 96 rows as 64, then 32 and 32 padding
+    (12, 8, 32, 64, True, [8, 9, 100, 1000, 4000, 65], 9, ROWS_48),  # two full 48-row blocks (the S^T-warpgroup schedule)
     (12, 8, 32, 64, True, [8, 9, 100, 1000, 4000, 65], 9, ROWS_32),  # 32-row blocks (3 ring stages -> 4)
     (128, 1, 64, 64, True, [1, 700, 3000, 64], 8, ROWS_32),
     (128, 1, 64, 64, True, [1, 700, 3000, 64], 8, ROWS_48),  # 128 rows: the third block has 32
     (16, 2, 32, 32, True, [2, 63, 64, 65, 1500], 6, ROWS_48),  # 32 rows in one block, 16 of them padding
     (128, 1, 64, 64, True, [1, 700, 3000, 64], 8, ROWS_64),  # 128 rows: two 64-row blocks
     (16, 4, 32, 64, True, [4, 5, 64, 1500, 77], 9, ROWS_64),  # 64 rows in one block
-    (12, 8, 32, 64, True, [8, 9, 100, 1000, 4000, 65], 9, ROWS_64),  # 96 rows: 64, then 32 and 32 padding
     # the S^T-warpgroup schedule with the KV by cp.async (decode_swg; the cases above load it by TMA)
     (128, 1, 64, 64, True, [1, 700, 3000, 64], 8, {**ROWS_64, "kv_loads": "cp_async"}),
     (16, 4, 64, 32, True, [4, 5, 64, 1500, 77], 9, {**ROWS_64, "kv_loads": "cp_async"}),
@@ -490,7 +502,6 @@ GPU_CASES = [
     # CTA with odd and even chunk counts (the ring's chunks counted across segments)
     (128, 1, 64, 64, True, [1, 700, 3000, 64], 8, PAIRS),
     (16, 4, 64, 32, True, [4, 5, 64, 1500, 77], 9, PAIRS),
-    (12, 8, 32, 64, True, [8, 9, 100, 1000, 4000, 65], 9, {**ROWS_64, **PAIRS}),
     (64, 1, 64, 64, False, [1, 65, 129, 200, 64, 3, 1000, 4000, 130, 191, 257, 0], 5, {**PAIRS, "p_planes": 1}),
     # the same with S issued a pair ahead (s_ahead), two chains and one
     (128, 1, 64, 64, True, [1, 700, 3000, 64], 8, {**PAIRS, "s_ahead": True}),
@@ -499,8 +510,8 @@ GPU_CASES = [
     (64, 1, 64, 64, False, [1, 65, 129, 200, 64, 3, 1000, 4000, 130, 191, 257, 0], 5,
      {**PAIRS, "s_ahead": True, "p_planes": 1}),
     # 48-row blocks (S's rows padded to 64): two full blocks, one block, 32 rows in a block of 48
-    (12, 8, 32, 64, True, [8, 9, 100, 1000, 4000, 65], 9, PAIRS),
-    (12, 8, 32, 64, True, [8, 9, 100, 1000, 4000, 65], 9, {**PAIRS, "s_ahead": True}),
+    (12, 8, 32, 64, True, [8, 9, 100, 1000, 4000, 65], 9, {**ROWS_48, **PAIRS}),
+    (12, 8, 32, 64, True, [8, 9, 100, 1000, 4000, 65], 9, {**ROWS_48, **PAIRS, "s_ahead": True}),
     (12, 4, 64, 64, True, [4, 5, 64, 1500, 77, 3000], 7, {**PAIRS, "p_planes": 1}),
     (16, 2, 32, 32, True, [2, 63, 64, 65, 1500], 6, {**ROWS_48, **PAIRS}),
     # its research orders and budgets: P's exp2 on the FMA pipe (some or all), the own chunk's P.V first, the
@@ -511,21 +522,21 @@ GPU_CASES = [
      {**PAIRS, "p_exp2_fma": 1, "own_chunk_first": True, "p_planes": 1}),
     (16, 4, 64, 32, True, [4, 5, 64, 1500, 77], 9, {**PAIRS, "early_rescale": False, "mma_registers": 240}),
     (12, 8, 32, 64, True, [8, 9, 100, 1000, 4000, 65], 9,
-     {**PAIRS, "own_chunk_first": True, "early_rescale": True, "p_exp2_fma": 2}),
+     {**ROWS_48, **PAIRS, "own_chunk_first": True, "early_rescale": True, "p_exp2_fma": 2}),
     # the S^T-warpgroup schedule with O^T rescaled beside P's exp2 (research): 48 rows, one block of 48 by
     # cp.async, 64 rows
-    (12, 8, 32, 64, True, [8, 9, 100, 1000, 4000, 65], 9, {"early_rescale": True}),
+    (12, 8, 32, 64, True, [8, 9, 100, 1000, 4000, 65], 9, {**ROWS_48, "early_rescale": True}),
     (12, 4, 64, 64, True, [4, 5, 64, 1500, 77, 3000], 7, {"early_rescale": True, "kv_loads": "cp_async"}),
     (128, 1, 64, 64, True, [1, 700, 3000, 64], 8, {"early_rescale": True, "chunk_pairs": False}),
     # 48-row blocks with Q's first 8 k32 steps in the MMA warpgroups' registers
-    (12, 8, 32, 64, True, [8, 9, 100, 1000, 4000, 65], 9, {**PAIRS, "q_in_registers": True}),
+    (12, 8, 32, 64, True, [8, 9, 100, 1000, 4000, 65], 9, {**ROWS_48, **PAIRS, "q_in_registers": True}),
     (12, 4, 64, 64, True, [4, 5, 64, 1500, 77, 3000], 7, {**PAIRS, "q_in_registers": True, "s_ahead": True}),
     # P.V a pair behind (one P plane): 1 to 4 units in flight, many segments a CTA, half-chunk boxes, 48 rows
     (128, 1, 64, 64, True, [1, 700, 3000, 64], 8, {**PAIRS, "pv_behind": 3, "p_planes": 1}),
     (64, 1, 64, 64, False, [1, 65, 129, 200, 64, 3, 1000, 4000, 130, 191, 257, 0], 5,
      {**PAIRS, "pv_behind": 1, "p_planes": 1}),
     (16, 4, 64, 32, True, [4, 5, 64, 1500, 77], 9, {**PAIRS, "pv_behind": 2, "p_planes": 1, "s_chains": 1}),
-    (12, 8, 32, 64, True, [8, 9, 100, 1000, 4000, 65], 9, {**PAIRS, "pv_behind": 4, "p_planes": 1}),
+    (12, 8, 32, 64, True, [8, 9, 100, 1000, 4000, 65], 9, {**ROWS_48, **PAIRS, "pv_behind": 4, "p_planes": 1}),
     (64, 1, 64, 64, False, [1, 65, 129, 200, 64, 3, 1000, 4000, 130, 191, 257, 0], 5,
      {**PAIRS, "pv_behind": 3, "s_under_rescale": True, "p_planes": 1}),
     # the chunks prefetched into L2 ahead of their boxes (kv_prefetch): tiles of 32, so chunks across pages
@@ -534,7 +545,8 @@ GPU_CASES = [
     (16, 4, 64, 64, True, [4, 5, 64, 1500, 77], 9, {**PAIRS, "rope_rows": 64, "p_planes": 2}),
     (64, 1, 64, 64, False, [1, 65, 129, 200, 64, 3, 1000, 4000, 130, 191, 257, 0], 5,
      {**PAIRS, **DEEP_RING, "p_planes": 1}),
-    (12, 8, 64, 64, True, [8, 9, 100, 1000, 4000, 65], 9, {**PAIRS, **DEEP_RING, "p_planes": 1, "pv_behind": 4}),
+    (12, 8, 64, 64, True, [8, 9, 100, 1000, 4000, 65], 9,
+     {**ROWS_48, **PAIRS, **DEEP_RING, "p_planes": 1, "pv_behind": 4}),
 ]
 
 
@@ -643,7 +655,7 @@ def test_matches_reference_gpu(num_heads, q_len, page_size, tile_tokens, causal,
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_heads,q_len,page_size,options", [(128, 1, 64, {}), (16, 4, 64, {"s_chains": 1}),
-                                                               (12, 8, 32, PAIRS), (12, 8, 32, {}),
+                                                               (12, 8, 32, {**ROWS_48, **PAIRS}), (12, 8, 32, ROWS_48),
                                                                (12, 4, 64, {"kv_loads": "cp_async"}),
                                                                (128, 1, 64, {"chunk_pairs": False})])
 def test_early_rescale_changes_no_bit_gpu(num_heads, q_len, page_size, options):
@@ -658,7 +670,7 @@ def test_early_rescale_changes_no_bit_gpu(num_heads, q_len, page_size, options):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("num_heads,q_len,page_size,options", [(128, 1, 64, {}), (12, 8, 32, {}), (16, 2, 64, {}),
+@pytest.mark.parametrize("num_heads,q_len,page_size,options", [(128, 1, 64, {}), (12, 8, 32, ROWS_48), (16, 2, 64, {}),
                                                                (16, 4, 64, {"q_in_registers": True}),
                                                                (128, 1, 64, PAIRS),
                                                                (16, 4, 64, {**PAIRS, "s_ahead": True})])
@@ -676,8 +688,8 @@ def test_unit_rescale_skip_changes_no_bit_gpu(num_heads, q_len, page_size, optio
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_heads,q_len,page_size,tile_tokens,options", [
-    (128, 1, 64, 64, {}), (16, 4, 64, 32, {"s_chains": 1}), (64, 1, 64, 64, {"p_planes": 2}), (12, 8, 32, 64, {}),
-    (12, 8, 32, 64, {"q_in_registers": True})])
+    (128, 1, 64, 64, {}), (16, 4, 64, 32, {"s_chains": 1}), (64, 1, 64, 64, {"p_planes": 2}),
+    (12, 8, 32, 64, ROWS_48), (12, 8, 32, 64, {**ROWS_48, "q_in_registers": True})])
 def test_s_ahead_changes_no_bit_gpu(num_heads, q_len, page_size, tile_tokens, options):
     """The chunk-pairs schedule with S issued a pair ahead (`s_ahead`) does the same arithmetic in the same order
     as phase after phase: every output and lse bit is the same, over segments of odd and even chunk counts."""
@@ -693,8 +705,8 @@ def test_s_ahead_changes_no_bit_gpu(num_heads, q_len, page_size, tile_tokens, op
 @pytest.mark.parametrize("behind_options", [{"pv_behind": n} for n in (1, 2, 3, 4)]
                          + [{"pv_behind": 2, "s_under_rescale": True}], ids=_options_id)
 @pytest.mark.parametrize("num_heads,q_len,page_size,tile_tokens,options", [
-    (128, 1, 64, 64, {}), (16, 4, 64, 32, {"s_chains": 1}), (64, 1, 64, 64, {}), (12, 8, 32, 64, {}),
-    (12, 8, 32, 64, {"q_in_registers": True})])
+    (128, 1, 64, 64, {}), (16, 4, 64, 32, {"s_chains": 1}), (64, 1, 64, 64, {}), (12, 8, 32, 64, ROWS_48),
+    (12, 8, 32, 64, {**ROWS_48, "q_in_registers": True})])
 def test_pv_behind_changes_no_bit_gpu(num_heads, q_len, page_size, tile_tokens, options, behind_options):
     """P.V a pair behind (`pv_behind`, one P plane) adds each pair's P.V and rescales O^T in the same order on the
     same values as phase after phase, one pair later: every output and lse bit is the same, over segments of odd
@@ -710,7 +722,7 @@ def test_pv_behind_changes_no_bit_gpu(num_heads, q_len, page_size, tile_tokens, 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_heads,q_len,page_size,options", [
-    (128, 1, 64, {}), (16, 4, 64, {"s_chains": 1, "p_planes": 2}), (12, 8, 64, {"q_in_registers": True}),
+    (128, 1, 64, {}), (16, 4, 64, {"s_chains": 1, "p_planes": 2}), (12, 8, 64, {**ROWS_48, "q_in_registers": True}),
     (128, 1, 64, {"s_ahead": True}), (64, 1, 64, {"pv_behind": 2, "p_planes": 1})])
 def test_rope_rows_change_no_bit_gpu(num_heads, q_len, page_size, options):
     """The rope in 64-byte rows (`rope_rows`: its TMA box, Q's copies, S's descriptors and the zeroed tails in the
@@ -725,7 +737,7 @@ def test_rope_rows_change_no_bit_gpu(num_heads, q_len, page_size, options):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_heads,q_len,page_size,options", [(128, 1, 64, DEEP_RING), (16, 4, 64, DEEP_RING),
-                                                               (12, 8, 64, {**DEEP_RING, "pv_behind": 4}),
+                                                               (12, 8, 64, {**ROWS_48, **DEEP_RING, "pv_behind": 4}),
                                                                (64, 1, 64, {"pv_behind": 2, "p_after_pv": True})])
 def test_p_after_pv_changes_no_bit_gpu(num_heads, q_len, page_size, options):
     """P stored once the pair before's P.V is done (`p_after_pv`, one pair's P buffers), with 5 stages of 36 KB
@@ -740,7 +752,7 @@ def test_p_after_pv_changes_no_bit_gpu(num_heads, q_len, page_size, options):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_heads,q_len,page_size,tile_tokens,options", [
-    (128, 1, 64, 64, {"kv_prefetch": 2}), (16, 4, 64, 32, {"kv_prefetch": 8}), (12, 8, 32, 64, {"kv_prefetch": 3}),
+    (128, 1, 64, 64, {"kv_prefetch": 2}), (16, 4, 64, 32, {"kv_prefetch": 8}), (12, 8, 32, 64, {**ROWS_48, "kv_prefetch": 3}),
     (64, 1, 64, 64, {"kv_prefetch": 4, "pv_behind": 3, "p_planes": 1})])
 def test_kv_prefetch_changes_no_bit_gpu(num_heads, q_len, page_size, tile_tokens, options):
     """The chunks prefetched into L2 ahead of their TMA loads (`kv_prefetch`) change when bytes arrive, not which:
@@ -755,7 +767,7 @@ def test_kv_prefetch_changes_no_bit_gpu(num_heads, q_len, page_size, tile_tokens
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("num_heads,q_len,page_size,options", [(12, 8, 32, {}), (12, 4, 64, {"s_ahead": True})])
+@pytest.mark.parametrize("num_heads,q_len,page_size,options", [(12, 8, 32, ROWS_48), (12, 4, 64, {"s_ahead": True})])
 def test_chunk_pairs_q_in_registers_matches_q_from_shared_memory_gpu(num_heads, q_len, page_size, options):
     """Q's first k32 steps as the register A operand (48 rows) compute the same S as from shared memory: outputs
     and lse within a few fp32 roundings of the build that reads all of Q from shared memory, far tighter than the
@@ -781,7 +793,7 @@ def test_chunk_pairs_q_in_registers_matches_q_from_shared_memory_gpu(num_heads, 
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("num_heads,q_len,options", [(16, 4, {}), (16, 4, {"s_ahead": True}), (12, 8, {}),
+@pytest.mark.parametrize("num_heads,q_len,options", [(16, 4, {}), (16, 4, {"s_ahead": True}), (12, 8, ROWS_48),
                                                      (128, 1, {"s_ahead": True}), (16, 4, {"pv_behind": 2}),
                                                      (128, 1, {"pv_behind": 4}), (128, 1, DEEP_RING)])
 def test_chunk_pairs_launches_on_kv_held_in_l2_are_bit_identical_gpu(num_heads, q_len, options):
@@ -872,19 +884,20 @@ def test_rising_scores_move_the_reference_max_gpu(num_heads, q_len, page_size, r
 POISON_CASES = [
     (12, 1, 32, 64, [0, 1, 31, 33, 700, 4000, 130], 16, {}),  # 16 rows, the ping-pong
     (16, 2, 64, 64, [2, 63, 65, 129, 3000, 17, 900], 12, {}),  # 32 rows, TMA whole-chunk boxes
-    (12, 8, 32, 64, [8, 9, 100, 1000, 4000, 65], 9, {}),  # 48 rows, TMA half-chunk boxes
+    (12, 8, 32, 64, [8, 9, 100, 1000, 4000, 65], 9, ROWS_48),  # 48 rows, TMA half-chunk boxes
     (16, 4, 64, 64, [0, 4, 5, 64, 1500, 77, 10779, 238], 24, {}),  # 64 rows, whole-chunk boxes
     (128, 1, 64, 64, [1, 700, 3000, 64], 8, {"kv_loads": "cp_async"}),  # 64 rows, cp.async
     (16, 4, 64, 32, [4, 5, 64, 1500, 77], 9, {"kv_refill": "after_store"}),  # tiles of 32: chunks across pages
     (16, 4, 64, 64, [0, 4, 5, 64, 1500, 77, 10779, 238], 24, {"q_in_registers": True}),  # S stored by rows
     (16, 4, 64, 64, [0, 4, 5, 64, 1500, 77, 10779, 238], 24, PAIRS),  # chunk pairs, a segment's zero P
     (16, 4, 64, 64, [0, 4, 5, 64, 1500, 77, 10779, 238], 24, {**PAIRS, "s_ahead": True}),
-    (12, 8, 32, 64, [8, 9, 100, 1000, 4000, 65], 9, PAIRS),  # 48 rows: S's padding rows
-    (12, 8, 32, 64, [8, 9, 100, 1000, 4000, 65], 9, {**PAIRS, "q_in_registers": True}),  # Q's first steps in registers
+    (12, 8, 32, 64, [8, 9, 100, 1000, 4000, 65], 9, {}),  # 64-row pairs, 96 rows: the second block half padding
+    (12, 8, 32, 64, [8, 9, 100, 1000, 4000, 65], 9, {**ROWS_48, **PAIRS}),  # 48 rows: S's padding rows
+    (12, 8, 32, 64, [8, 9, 100, 1000, 4000, 65], 9, {**ROWS_48, **PAIRS, "q_in_registers": True}),  # Q's first steps in registers
     (16, 4, 64, 64, [0, 4, 5, 64, 1500, 77, 10779, 238], 24, {**PAIRS, "pv_behind": 3}),  # two pairs' P buffers
-    (12, 8, 32, 64, [8, 9, 100, 1000, 4000, 65], 9, {**PAIRS, "pv_behind": 2}),
+    (12, 8, 32, 64, [8, 9, 100, 1000, 4000, 65], 9, {**ROWS_48, **PAIRS, "pv_behind": 2}),
     (16, 4, 64, 64, [0, 4, 5, 64, 1500, 77, 10779, 238], 24, {**PAIRS, **DEEP_RING}),  # the rope's 64-byte rows
-    (12, 8, 64, 64, [8, 9, 100, 1000, 4000, 65], 9, {**PAIRS, **DEEP_RING, "q_in_registers": True}),
+    (12, 8, 64, 64, [8, 9, 100, 1000, 4000, 65], 9, {**ROWS_48, **PAIRS, **DEEP_RING, "q_in_registers": True}),
 ]
 
 
