@@ -38,3 +38,17 @@ def test_the_ablated_builds_compile(case, rows, name):
     assert base == decode_config(*case) and base.rows_per_block == rows
     assert ablated == decode_config(*case, skip=frozenset(ablate_decode.ABLATIONS[name]))
     assert callable(compile_decode(ablated))
+
+
+def test_an_ablated_build_keeps_the_case_schedule(capsys):
+    """At 64 rows (the chunk-pairs schedule) every ablation but nostore builds as chunk pairs; nostore, which only
+    the S^T-warpgroup schedule has, is left out with a note instead of timing that other schedule."""
+    specs = [(name, ablate_decode.ablation_spec(name)) for name in ablate_decode.ABLATIONS]
+    pairs = ablate_decode.case_ablations((12, 8, 32, 4096, 1), specs)
+    assert [name.split()[0] for name, _ in pairs] == [n for n in ablate_decode.ABLATIONS if n != "nostore"]
+    for _, overrides in pairs:
+        assert bench_decode_kernel.case_config((12, 8, 32), overrides).schedule == "pairs"
+    assert "nostore left out, the pairs schedule" in capsys.readouterr().err
+    swg = ablate_decode.case_ablations((12, 4, 32, 4096, 1), specs)
+    assert len(swg) == len(ablate_decode.ABLATIONS)
+    assert {bench_decode_kernel.case_config((12, 4, 32), o).schedule for _, o in swg} == {"swg_tma"}
