@@ -140,7 +140,10 @@ class DecodeConfig:
     the 64B swizzle instead of 128-byte rows half zero (36 KB stages instead of 40), and `p_after_pv` (research,
     with pv_behind) keeps each pair's P words in registers until P.V of the pair before is done in both MMA
     warpgroups and stores them then, into one pair's P buffers instead of two pairs': with both, 5 ring stages fit
-    at 64 rows. `poison_smem` (a check for tests) sets
+    at 64 rows. `pv_second_per_tile` (research; the phase-after-phase form at 48 rows, where all of the second
+    chunk's V^T loads under the first chunk's P.V) loads that V^T a dim tile at a time and issues each tile's P.V
+    wgmmas as soon as its registers are there, instead of after the last tile (the same wgmmas in the same order).
+    `poison_smem` (a check for tests) sets
     every byte of the CTA's shared memory to 0xFF (NaN as e4m3, fp16 and fp32) before the kernel uses it: a read of
     shared memory that the launch did not write, whose value would otherwise be whatever the SM's previous kernel
     left there, then shows in the outputs. `skip` and `timeline` are research builds (benchmarks/): `skip` leaves
@@ -180,6 +183,7 @@ class DecodeConfig:
     kv_prefetch: int = 0
     rope_rows: int = 128
     p_after_pv: bool = False
+    pv_second_per_tile: bool = False
 
     def __post_init__(self):
         if self.page_size <= 0 or self.page_size & (self.page_size - 1):
@@ -271,6 +275,10 @@ class DecodeConfig:
                              f"{self.rope_rows}")
         if self.p_after_pv and not self.pv_behind:
             raise ValueError("p_after_pv is an order of pv_behind")
+        if self.pv_second_per_tile and (not self.chunk_pairs or self.rows_per_block != 48 or self.s_ahead
+                                        or self.pv_behind or self.own_chunk_first or self.q_in_registers):
+            raise ValueError("pv_second_per_tile is an order of the chunk_pairs schedule's phase-after-phase form at "
+                             "48 rows, without own_chunk_first or q_in_registers")
         unknown = set(self.skip) - set(DECODE_PARTS)
         if unknown:
             raise ValueError(f"skip names unknown parts {sorted(unknown)}; known: {', '.join(DECODE_PARTS)}")

@@ -402,16 +402,28 @@ class MLADecodePairsSM90(MLADecodeSM90):
         p_bytes = p_buffer_bytes(self.rows, self.cfg.p_planes)
         self._issue_pv_regs(acc_O, a0, p_addr + first * p_bytes, 0)
         stage_b_addr = cta.ring_addr + stage_b * self.stage_bytes
-        under = PAIRS_VT_TILES_UNDER_PV[self.rows, self.register_budgets()[0], self.cfg.p_planes]
-        a1 = self._load_vt(stage_b_addr, cta.wg * 4, cta.wl, cta.lane, under)
-        if cutlass.const_expr(self.cfg.own_chunk_first):
-            self._pass_p_barrier(cta, pr)
-        if cutlass.const_expr(under < 4):
-            self._wait_mma(acc_O)
-            a1 = a1 + self._load_vt(stage_b_addr, cta.wg * 4 + under, cta.wl, cta.lane, 4 - under)
-        self._release_pair_stages(cta, stage0, stage1, has_c1)
-        self._stamp(cta, lead, pr, 8 + 8 * cta.wg + 4)  # "V^T loaded" (the second chunk's)
-        self._issue_pv_regs(acc_O, a1, p_addr + (1 - first) * p_bytes, 0)
+        if cutlass.const_expr(self.cfg.pv_second_per_tile):
+            # (research, 48 rows) a dim tile of the second chunk's V^T, then its wgmmas, behind P.V(c0) on the same
+            # accumulators: the tensor pipe gets the second chunk's first tile once its ldmatrix are in, not the
+            # last's (ncu at H12 q_len 8: the byte permutes after the ldmatrix waited 9% of the stall samples)
+            for t in cutlass.range_constexpr(4):
+                a_t = self._load_vt(stage_b_addr, cta.wg * 4 + t, cta.wl, cta.lane, 1)
+                wgmma_fence()  # this tile's A registers are written
+                self._pv_wgmmas(acc_O, lambda _, ks: a_t[ks], p_addr + (1 - first) * p_bytes, 0, t, t + 1)
+            wgmma_commit()
+            self._release_pair_stages(cta, stage0, stage1, has_c1)
+            self._stamp(cta, lead, pr, 8 + 8 * cta.wg + 4)  # "V^T loaded" (the second chunk's, after its issue)
+        else:
+            under = PAIRS_VT_TILES_UNDER_PV[self.rows, self.register_budgets()[0], self.cfg.p_planes]
+            a1 = self._load_vt(stage_b_addr, cta.wg * 4, cta.wl, cta.lane, under)
+            if cutlass.const_expr(self.cfg.own_chunk_first):
+                self._pass_p_barrier(cta, pr)
+            if cutlass.const_expr(under < 4):
+                self._wait_mma(acc_O)
+                a1 = a1 + self._load_vt(stage_b_addr, cta.wg * 4 + under, cta.wl, cta.lane, 4 - under)
+            self._release_pair_stages(cta, stage0, stage1, has_c1)
+            self._stamp(cta, lead, pr, 8 + 8 * cta.wg + 4)  # "V^T loaded" (the second chunk's)
+            self._issue_pv_regs(acc_O, a1, p_addr + (1 - first) * p_bytes, 0)
         self._stamp(cta, lead, pr, 8 + 8 * cta.wg + 5)  # "P.V issued"
         return new0, new1, l0 * alpha0 + csum0, l1 * alpha1 + csum1
 

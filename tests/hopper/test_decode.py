@@ -257,7 +257,10 @@ DEEP_RING = {"pv_behind": 3, "rope_rows": 64, "p_after_pv": True, "num_stages": 
     (128, 1, 64, DEEP_RING), (16, 4, 64, {**DEEP_RING, "s_under_rescale": True, "kv_prefetch": 2}),
     (12, 8, 64, {**ROWS_48, **DEEP_RING, "q_in_registers": True}), (128, 1, 64, {"rope_rows": 64}),
     (64, 1, 64, {"rope_rows": 64, "p_planes": 2, "s_ahead": True}), (128, 1, 64, {"pv_behind": 2, "p_after_pv": True}),
-    (12, 4, 64, {"rope_rows": 64, "timeline": 0}), (128, 1, 64, {**DEEP_RING, "skip": frozenset({"softmax"})})])
+    (12, 4, 64, {"rope_rows": 64, "timeline": 0}), (128, 1, 64, {**DEEP_RING, "skip": frozenset({"softmax"})}),
+    # the second chunk's P.V issued a dim tile at a time as its V^T loads (48 rows)
+    (12, 8, 32, {**ROWS_48, "pv_second_per_tile": True}), (12, 4, 64, {"pv_second_per_tile": True, "p_planes": 2}),
+    (12, 4, 64, {"pv_second_per_tile": True, "timeline": 0})])
 def test_chunk_pairs_builds_compile(heads, q_len, page_size, options):
     """The chunk-pairs schedule (`DecodeConfig.chunk_pairs`, research) compiles at 48 and 64 rows with 4 ring
     stages, for both P precisions, one or two S chains, half- and whole-chunk boxes, padding rows, S issued a pair
@@ -301,6 +304,11 @@ def test_chunk_pairs_is_checked():
         decode_config(128, 1, 64, s_ahead=True, chunk_pairs=False)
     with pytest.raises(ValueError, match="q_in_registers with chunk_pairs is for 48-row blocks"):
         decode_config(128, 1, 64, chunk_pairs=True, q_in_registers=True)
+    for h, q, options in ((128, 1, {}), (12, 4, {"chunk_pairs": False}), (12, 4, {"s_ahead": True}),
+                          (12, 4, {"own_chunk_first": True}), (12, 4, {"q_in_registers": True}),
+                          (12, 4, {"pv_behind": 2, "p_planes": 1})):
+        with pytest.raises(ValueError, match="pv_second_per_tile is an order of"):
+            decode_config(h, q, 64, **{"chunk_pairs": True, **options}, pv_second_per_tile=True)
     assert decode_config(12, 4, 32, chunk_pairs=True, q_in_registers=True).s_chains == 2  # two unless asked
     # S a pair ahead waits for the next pair's chunks before it releases this pair's: 3 stages would hang
     with pytest.raises(ValueError, match="s_ahead needs 4 ring stages"):
@@ -420,7 +428,9 @@ QREGS = {"q_in_registers": True}
     # 5 stages of 36 KB with P stored after the pair before's P.V: its 8 words a thread held across the units
     (128, 1, 64, 64, 1, {**PAIRS, **DEEP_RING, "pv_behind": 4}),
     (128, 1, 64, 64, 1, {**PAIRS, **DEEP_RING, "s_under_rescale": True, "kv_prefetch": 2}),
-    (12, 8, 64, 48, 1, {**PAIRS, **DEEP_RING, **QREGS, "pv_behind": 2})])
+    (12, 8, 64, 48, 1, {**PAIRS, **DEEP_RING, **QREGS, "pv_behind": 2}),
+    # the second chunk's P.V a dim tile at a time as its V^T loads
+    (12, 8, 32, 48, 1, {**PAIRS, "pv_second_per_tile": True}), (12, 8, 32, 48, 2, {**PAIRS, "pv_second_per_tile": True})])
 def test_no_spills(tmp_path, num_heads, q_len, page_size, rows, planes, options):
     ptxas = ptxas_path()
     assert ptxas, "ptxas (pip install 'cute-mla-fp8[test]' brings it) is needed: the spill check is part of the CPU suite"
@@ -547,6 +557,8 @@ GPU_CASES = [
      {**PAIRS, **DEEP_RING, "p_planes": 1}),
     (12, 8, 64, 64, True, [8, 9, 100, 1000, 4000, 65], 9,
      {**ROWS_48, **PAIRS, **DEEP_RING, "p_planes": 1, "pv_behind": 4}),
+    # the second chunk's P.V a dim tile at a time as its V^T loads (48 rows)
+    (12, 8, 32, 64, True, [8, 9, 100, 1000, 4000, 65], 9, {**ROWS_48, **PAIRS, "pv_second_per_tile": True}),
 ]
 
 
@@ -684,6 +696,22 @@ def test_unit_rescale_skip_changes_no_bit_gpu(num_heads, q_len, page_size, optio
     skip = decode_config(num_heads, q_len, page_size, unit_rescale_skip=True, **options)
     assert skip.pv_order == "whole"
     _assert_launches_agree(every, skip, [1, 700, 3000, 64, 20000], seed=11, num_ctas=12)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_heads,q_len,page_size,tile_tokens,options", [
+    (12, 8, 32, 64, ROWS_48), (12, 4, 64, 32, {"p_planes": 2}), (12, 8, 64, 64, {**ROWS_48, "early_rescale": False})])
+def test_pv_second_per_tile_changes_no_bit_gpu(num_heads, q_len, page_size, tile_tokens, options):
+    """The second chunk's P.V issued a dim tile at a time as its V^T loads (`pv_second_per_tile`) runs the same
+    wgmmas on the same accumulators in the same order: every output and lse bit equals the build that issues them
+    after the last tile, over segments of odd and even chunk counts."""
+    from mla_backend.config import decode_config
+
+    whole, per_tile = (decode_config(num_heads, q_len, page_size, tile_tokens=tile_tokens, pv_second_per_tile=t,
+                                     **PAIRS, **options) for t in (False, True))
+    assert whole.rows_per_block == per_tile.rows_per_block == 48
+    _assert_launches_agree(whole, per_tile, [1, 700, 3000, 64, 20000, 129, 0, 4100], seed=37, num_ctas=10,
+                           tile_tokens=tile_tokens)
 
 
 @pytest.mark.gpu
