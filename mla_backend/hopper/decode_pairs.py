@@ -405,7 +405,8 @@ class MLADecodePairsSM90(MLADecodeSM90):
         if cutlass.const_expr(self.cfg.pv_second_per_tile):
             # (research, 48 rows) a dim tile of the second chunk's V^T, then its wgmmas, behind P.V(c0) on the same
             # accumulators: the tensor pipe gets the second chunk's first tile once its ldmatrix are in, not the
-            # last's (ncu at H12 q_len 8: the byte permutes after the ldmatrix waited 9% of the stall samples)
+            # last's (ncu at H12 q_len 8: the byte permutes after the ldmatrix waited 9% of the stall samples); on an
+            # H100 no faster than the other order (experiments.md)
             for t in cutlass.range_constexpr(4):
                 a_t = self._load_vt(stage_b_addr, cta.wg * 4 + t, cta.wl, cta.lane, 1)
                 wgmma_fence()  # this tile's A registers are written
