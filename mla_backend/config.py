@@ -121,34 +121,34 @@ class DecodeConfig:
     `s_chains` (research) is the number of wgmma accumulator chains S^T's 18 k32 steps run as: 2 (the default, two
     chains of 9 summed in fp32, for the accuracy of FP8 accumulation) or 1 (one chain of 18); `q_in_registers`
     (research, 64 rows, TMA; one S chain unless s_chains=2 is asked for) runs S = Q.K^T with Q in the S warpgroup's
-    registers (`hopper/decode_swg_qregs.py`). `chunk_pairs` (64 rows' default, research at 48; TMA, 4 ring stages
-    unless asked otherwise) runs the chunk-pairs schedule (`hopper/decode_pairs.py`): S and the softmax in the P.V
-    warpgroups' registers, two chunks a pair; `s_ahead` (research, 4 stages) issues each pair's S during the
-    previous pair there, and `q_in_registers` there (48 rows) keeps Q's first 8 k32 steps in the MMA
-    warpgroups' registers (two S chains unless asked otherwise); `p_exp2_fma` (research, 0-4) computes that many of
-    each 4 P values' exp2 by a polynomial on the FMA pipe (`ptx.exp2_fma`) instead of MUFU, and `mma_registers`
+    registers (`hopper/decode_swg_qregs.py`). `chunk_pairs` (64 rows' default, research at 48; TMA, 4 ring stages, 5
+    with `default_deep_ring`, unless asked otherwise) runs the chunk-pairs schedule (`hopper/decode_pairs.py`): S
+    and the softmax in the P.V warpgroups' registers, two chunks a pair; `s_ahead` (research, 4 stages) issues each
+    pair's S during the previous pair there, and `q_in_registers` there (48 rows) keeps Q's first 8 k32 steps in the
+    MMA warpgroups' registers (two S chains unless asked otherwise); `p_exp2_fma` (research, 0-4) computes that many
+    of each 4 P values' exp2 by a polynomial on the FMA pipe (`ptx.exp2_fma`) instead of MUFU, and `mma_registers`
     (research, PAIRS_MMA_REGISTERS) sets its MMA warpgroups' register budget; `own_chunk_first` (research) has each
     warpgroup run P.V of its own chunk of a pair before the other's, ahead of the barrier on the other's P, and
-    `early_rescale` (the phase-after-phase form's default with one P plane, `default_early_rescale`; research in
-    the S^T-warpgroup schedule at 48 and 64 rows) rescales O^T beside P's exp2 instead of after the P barrier;
+    `early_rescale` (the phase-after-phase form's default with one P plane, `default_early_rescale`; research in the
+    S^T-warpgroup schedule at 48 and 64 rows) rescales O^T beside P's exp2 instead of after the P barrier;
     `pv_behind` (research, 1-4; one P plane, 4 stages) runs each pair's P.V during the next pair, a dim tile of a
-    chunk at a time between its P's words with at most that many in flight, so that the tensor pipe has work while the softmax runs (the same arithmetic in the same order),
-    and with `s_under_rescale` (research) issues the next pair's S (at 64 rows its first chain) before the P
-    barrier instead of after it; `kv_prefetch` (research, 0-8) has its load warp prefetch the chunk that many ahead of each TMA
-    load into L2 (`ptx.prefetch_l2_bulk`), before it waits for that load's stage. `rope_rows` (research, 64; the
-    chunk_pairs schedule with whole-chunk boxes) keeps the rope of the ring's chunks and of Q in 64-byte rows in
-    the 64B swizzle instead of 128-byte rows half zero (36 KB stages instead of 40), and `p_after_pv` (research,
-    with pv_behind) keeps each pair's P words in registers until P.V of the pair before is done in both MMA
-    warpgroups and stores them then, into one pair's P buffers instead of two pairs': with both, 5 ring stages fit
-    at 64 rows. `pv_second_per_tile` (research; the phase-after-phase form at 48 rows, where all of the second
-    chunk's V^T loads under the first chunk's P.V) loads that V^T a dim tile at a time and issues each tile's P.V
-    wgmmas as soon as its registers are there, instead of after the last tile (the same wgmmas in the same order).
-    `poison_smem` (a check for tests) sets
-    every byte of the CTA's shared memory to 0xFF (NaN as e4m3, fp16 and fp32) before the kernel uses it: a read of
-    shared memory that the launch did not write, whose value would otherwise be whatever the SM's previous kernel
-    left there, then shows in the outputs. `skip` and `timeline` are research builds (benchmarks/): `skip` leaves
-    parts of the work out, `timeline` stores SM clock stamps of chunks [timeline, timeline + TIMELINE_CHUNKS) of
-    each stamped CTA into the workspace's last slot."""
+    chunk at a time between its P's words with at most that many in flight, so that the tensor pipe has work while
+    the softmax runs (the same arithmetic in the same order), and with `s_under_rescale` (research) issues the next
+    pair's S (at 64 rows its first chain) before the P barrier instead of after it; `kv_prefetch` (research, 0-8)
+    has its load warp prefetch the chunk that many ahead of each TMA load into L2 (`ptx.prefetch_l2_bulk`), before
+    it waits for that load's stage. `rope_rows` (64 with `default_deep_ring`; the chunk_pairs schedule with
+    whole-chunk boxes) keeps the rope of the ring's chunks and of Q in 64-byte rows in the 64B swizzle instead of
+    128-byte rows half zero (36 KB stages instead of 40), and `p_after_pv` (research, with pv_behind) keeps each
+    pair's P words in registers until P.V of the pair before is done in both MMA warpgroups and stores them then,
+    into one pair's P buffers instead of two pairs': with both, 5 ring stages fit at 64 rows with P.V a pair behind.
+    `pv_second_per_tile` (research; the phase-after-phase form at 48 rows, where all of the second chunk's V^T loads
+    under the first chunk's P.V) loads that V^T a dim tile at a time and issues each tile's P.V wgmmas as soon as
+    its registers are there, instead of after the last tile (the same wgmmas in the same order). `poison_smem` (a
+    check for tests) sets every byte of the CTA's shared memory to 0xFF (NaN as e4m3, fp16 and fp32) before the
+    kernel uses it: a read of shared memory that the launch did not write, whose value would otherwise be whatever
+    the SM's previous kernel left there, then shows in the outputs. `skip` and `timeline` are research builds
+    (benchmarks/): `skip` leaves parts of the work out, `timeline` stores SM clock stamps of chunks [timeline,
+    timeline + TIMELINE_CHUNKS) of each stamped CTA into the workspace's last slot."""
 
     num_heads: int
     q_len: int
@@ -363,6 +363,19 @@ def default_early_rescale(research: dict, p_planes: int) -> bool:
             and p_planes == 1)
 
 
+def default_deep_ring(research: dict, rows_per_block: int, p_planes: int, kv_box_tokens: int) -> bool:
+    """Five ring stages of 36 KB (the rope in 64-byte rows, `DecodeConfig.rope_rows` 64) instead of four of 40
+    wherever they fit: the chunk-pairs schedule's phase-after-phase form at 64 rows with one P plane (two need
+    16 KB of P buffers, 8 more than the CTA has left) and whole-chunk boxes (the rope's 64-byte rows are a layout
+    of those). The same arithmetic (outputs bit-identical); three chunks load while a pair computes instead of two,
+    which the steps that the memory bounds feel. H100, decode alone, one process, 5 rounds, medians (minimums), 4 -> 5
+    stages: H64 1M x B2 429.0 (425.4) -> 416.2 (412.4) us, H16 q4 1M x B2 426.1 (421.0) -> 417.1 (411.4), H128 q1
+    1M x B4 1258.2 (1181.3) -> 1223.0 (1185.3), 128K x B4 172.2 (171.4) -> 172.4 (160.2), H12 q8 128K x B4 175.8
+    (162.2) -> 174.9 (168.4), 1M x B1 302.2 (299.8) -> 300.7 (298.4)."""
+    return (bool(research.get("chunk_pairs")) and rows_per_block == 64 and p_planes == 1 and kv_box_tokens == 64
+            and not research.get("s_ahead") and not research.get("pv_behind") and "rope_rows" not in research)
+
+
 def p_planes_for(p_precision: str, rows_per_block: int) -> int:
     """e4m3 planes of P for a precision mode: one only where it is faster, above 16 rows (see P_PRECISIONS)."""
     check_p_precision(p_precision)
@@ -387,6 +400,11 @@ def decode_config(num_heads: int, q_len: int, page_size: int, *, tile_tokens: in
         research = {**research, "chunk_pairs": default_chunk_pairs(rows, kv_loads, pv_order, research)}
     if research.get("q_in_registers") and not research.get("chunk_pairs"):
         research = {"s_chains": 1, **research}  # one chain leaves the most of Q in registers
+    if kv_box_tokens is None:
+        kv_box_tokens = default_kv_box_tokens(page_size, tile_tokens)
+    if num_stages is None and default_deep_ring(research, rows, p_planes, kv_box_tokens):
+        num_stages = 5
+        research = {**research, "rope_rows": 64}
     if research.get("chunk_pairs") and num_stages is None:
         num_stages = 4  # one pair computed while the next lands (`hopper/decode_pairs.py`)
     if "early_rescale" not in research:
@@ -396,8 +414,7 @@ def decode_config(num_heads: int, q_len: int, page_size: int, *, tile_tokens: in
                         num_stages=default_num_stages(rows) if num_stages is None else num_stages,
                         p_planes=p_planes,
                         kv_loads=kv_loads,
-                        kv_box_tokens=(default_kv_box_tokens(page_size, tile_tokens) if kv_box_tokens is None
-                                       else kv_box_tokens),
+                        kv_box_tokens=kv_box_tokens,
                         pv_order=(default_pv_order(rows, bool(research.get("lazy_rescale")
                                                                or research.get("unit_rescale_skip")
                                                                or research.get("chunk_pairs")

@@ -53,18 +53,21 @@ past its end by the warpgroup that computes its S, before that S (both warpgroup
 barrier). A chunk past the segment's end (warpgroup 1's in a pair that has one chunk, and with S ahead the pair
 after the last) still has its S issued, with Q's own rows as the B operand (no wgmma is issued under a branch, which
 would make ptxas serialise them all) and every token masked: its P is zero and its maxima -inf, and its P.V pairs
-that zero P with the first chunk's V^T. The ring has 4 stages: one pair computed while the next lands (5 with the
-deeper ring, below).
+that zero P with the first chunk's V^T. The ring has 4 stages (one pair computed while the next lands), or 5 with
+the deeper ring below.
 
-Deeper ring (research). With 4 stages and P.V a pair behind, the chunks of pair p + 2 are loaded into the stages
+Deeper ring. `rope_rows` 64 keeps the rope's block of a stage and of Q in 64-byte rows in the 64B swizzle (its own
+TMA box, Q's copies, S's two rope k32 steps with 64B-swizzled descriptors, the zeroed tails): 36 KB a stage
+instead of 40, so that 5 stages fit at 64 rows beside Q (36 KB) and one pair's P buffers (8 KB, one P plane):
+`config.default_deep_ring`, the phase-after-phase form's default there, where three chunks then load while a
+pair computes instead of two (2-3% faster where the memory bounds the step, experiments.md). P.V a pair behind needs P
+buffers for two pairs; `p_after_pv` keeps a pair's P words (8 registers a thread) until P.V of the pair before is
+done in both warpgroups (`PAIR_PV_DONE_BAR`, which also orders the alphas) and stores them then, so one pair's P
+buffers serve there too. With 4 stages and P.V a pair behind the chunks of pair p + 2 are loaded into the stages
 pair p's P.V releases during pair p + 1, so they have less than a pair to land (the second chunk about 0.4 of
-one). `rope_rows` 64 keeps the rope's block of a stage and of Q in 64-byte rows in the 64B swizzle (its own TMA
-box, Q's copies, S's two rope k32 steps with 64B-swizzled descriptors, the zeroed tails): 36 KB a stage instead
-of 40. `p_after_pv` keeps a pair's P words (8 registers a thread) until P.V of the pair before is done in both
-warpgroups (`PAIR_PV_DONE_BAR`, which also orders the alphas) and stores them then, so one pair's P buffers
-serve: with both, 5 stages fit at 64 rows (ring 180 KB, Q 36, P 8), and a stage is refilled with a chunk of
-the pair after next or later. On an H100 that removed the waits for chunks to land and took 1-3% off where the
-memory bounds the step, but P.V a pair behind stays 8-17% slower where the tensor cores do (experiments.md).
+one); with 5 a stage is refilled with a chunk of the pair after next or later. On an H100 that removed the waits
+for chunks to land and took 1-3% off where the memory bounds the step, but P.V a pair behind stays 8-17% slower
+where the tensor cores do (experiments.md).
 
 48-row blocks (H12 q_len 4 and 8): S keeps wgmma's 64 rows as M, Q padded with zero rows (its buffer holds 64,
 `q_rows`); warp 3 of each MMA warpgroup holds only padding rows, which see no token and store no maxima, P,

@@ -267,7 +267,7 @@ def test_chunk_pairs_builds_compile(heads, q_len, page_size, options):
     ahead (`s_ahead`), P.V a pair behind (`pv_behind`) and its research and timeline builds, the rope in 64-byte
     rows (`rope_rows`) with 5 stages, and its shared memory (Q padded to S's 64 rows, no S^T buffers, P buffers for
     one pair or two, a second mbarrier per stage) fits a CTA."""
-    from mla_backend.config import decode_config
+    from mla_backend.config import decode_config, default_deep_ring
     from mla_backend.hopper.decode import compile_decode, decode_kernel
     from mla_backend.hopper.decode_layout import SM90_SMEM_CAPACITY
     from mla_backend.hopper.decode_pairs import MLADecodePairsSM90
@@ -275,7 +275,9 @@ def test_chunk_pairs_builds_compile(heads, q_len, page_size, options):
     cfg = decode_config(heads, q_len, page_size, **PAIRS, **options)
     rows = cfg.rows_per_block
     assert (rows in (48, 64), cfg.schedule, cfg.kv_loads, cfg.pv_order) == (True, "pairs", "tma", "whole")
-    assert cfg.num_stages == options.get("num_stages", 4)
+    deep = default_deep_ring({**PAIRS, **options}, rows, cfg.p_planes, cfg.kv_box_tokens)
+    assert cfg.num_stages == options.get("num_stages", 5 if deep else 4)
+    assert cfg.rope_rows == options.get("rope_rows", 64 if deep else 128)
     kernel = decode_kernel(cfg)
     assert isinstance(kernel, MLADecodePairsSM90) and kernel.q_rows == 64
     assert kernel.k_steps_regs == (8 if options.get("q_in_registers") else 0)
@@ -314,10 +316,18 @@ def test_chunk_pairs_is_checked():
     with pytest.raises(ValueError, match="s_ahead needs 4 ring stages"):
         decode_config(128, 1, 64, chunk_pairs=True, s_ahead=True, num_stages=3)
     assert decode_config(128, 1, 64, chunk_pairs=True, num_stages=3).num_stages == 3
-    # 64 rows run it by default (with 4 stages), unless a switch of the S^T-warpgroup schedule is asked for
+    # 64 rows run it by default, unless a switch of the S^T-warpgroup schedule is asked for: with one P plane and
+    # whole-chunk boxes on 5 stages of 36 KB (the rope in 64-byte rows), else on 4 of 40
     assert [decode_config(h, q, 64).chunk_pairs for h, q in ((128, 1), (16, 4), (12, 8), (12, 4), (16, 2))] == [
         True, True, True, False, False]
-    assert decode_config(128, 1, 64).num_stages == 4 and decode_config(128, 1, 64, num_stages=3).chunk_pairs
+    ring = [(c.num_stages, c.rope_rows) for c in (
+        decode_config(128, 1, 64), decode_config(16, 4, 64), decode_config(12, 8, 64),
+        decode_config(128, 1, 64, p_precision="fp8x2"), decode_config(128, 1, 32),
+        decode_config(128, 1, 64, tile_tokens=32),
+        decode_config(128, 1, 64, s_ahead=True), decode_config(128, 1, 64, pv_behind=2, early_rescale=False),
+        decode_config(12, 8, 64, rows_per_block=48, chunk_pairs=True), decode_config(128, 1, 64, num_stages=4))]
+    assert ring == [(5, 64)] * 3 + [(4, 128)] * 7
+    assert decode_config(128, 1, 64, num_stages=3).chunk_pairs
     for options, schedule in (({"kv_loads": "cp_async"}, "swg"), ({"q_in_registers": True}, "swg_tma_qregs"),
                               ({"lazy_rescale": True}, "swg_tma"), ({"pv_order": "per_tile"}, "swg_tma"),
                               ({"skip": frozenset({"store_s"})}, "swg_tma"), ({"chunk_pairs": False}, "swg_tma"),
