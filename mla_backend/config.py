@@ -143,7 +143,10 @@ class DecodeConfig:
     into one pair's P buffers instead of two pairs': with both, 5 ring stages fit at 64 rows with P.V a pair behind.
     `pv_second_per_tile` (research; the phase-after-phase form at 48 rows, where all of the second chunk's V^T loads
     under the first chunk's P.V) loads that V^T a dim tile at a time and issues each tile's P.V wgmmas as soon as
-    its registers are there, instead of after the last tile (the same wgmmas in the same order). `poison_smem` (a
+    its registers are there, instead of after the last tile (the same wgmmas in the same order). `s_between_pv`
+    (research; the phase-after-phase form at 64 rows) issues the next pair's first S chain (its only one with
+    `s_chains=1`) between this pair's two chunks' P.V, once the first chunk's is done, so that the tensor pipe
+    runs it while the rest of the second chunk's V^T loads (the same arithmetic in the same order). `poison_smem` (a
     check for tests) sets every byte of the CTA's shared memory to 0xFF (NaN as e4m3, fp16 and fp32) before the
     kernel uses it: a read of shared memory that the launch did not write, whose value would otherwise be whatever
     the SM's previous kernel left there, then shows in the outputs. `skip` and `timeline` are research builds
@@ -184,6 +187,7 @@ class DecodeConfig:
     rope_rows: int = 128
     p_after_pv: bool = False
     pv_second_per_tile: bool = False
+    s_between_pv: bool = False
 
     def __post_init__(self):
         if self.page_size <= 0 or self.page_size & (self.page_size - 1):
@@ -279,6 +283,12 @@ class DecodeConfig:
                                         or self.pv_behind or self.own_chunk_first or self.q_in_registers):
             raise ValueError("pv_second_per_tile is an order of the chunk_pairs schedule's phase-after-phase form at "
                              "48 rows, without own_chunk_first or q_in_registers")
+        if self.s_between_pv and (not self.chunk_pairs or self.rows_per_block != 64 or self.s_ahead
+                                  or self.pv_behind or self.own_chunk_first or self.num_stages < 4):
+            # 64 rows: there the second chunk's V^T loads in two parts with a wait for P.V(c0) between, where the
+            # chain goes; 4 stages: the next pair's chunk must land before this pair releases its own
+            raise ValueError("s_between_pv is an order of the chunk_pairs schedule's phase-after-phase form at 64 "
+                             "rows with 4 or more ring stages, without own_chunk_first")
         unknown = set(self.skip) - set(DECODE_PARTS)
         if unknown:
             raise ValueError(f"skip names unknown parts {sorted(unknown)}; known: {', '.join(DECODE_PARTS)}")

@@ -25,7 +25,10 @@ Three forms (`DecodeConfig.s_ahead`, `DecodeConfig.pv_behind`):
 - phase after phase (the default of the switch): S(p), the softmax and the exchanges, then P.V of both chunks,
   V^T of the first loaded under P's computation and of the second under the first's P.V (`_pair`); S(p + 1) is
   issued once P.V(p) is done (its 64 accumulators do not fit beside O^T and V^T), so the tensor pipe idles
-  through each softmax;
+  through each softmax. With `s_between_pv` (research, 64 rows) S(p + 1)'s first chain is issued once P.V of the
+  pair's first chunk is done, into the registers S(p) left, ahead of the second chunk's P.V, so that the tensor
+  pipe has it while the rest of that chunk's V^T loads (the pipe otherwise idle); its second chain is issued as
+  pair p + 1 starts. The same arithmetic in the same order (bit-identical outputs);
 - S a pair ahead: S(p + 1)'s first chain (or its only chain, `s_chains=1`) is issued before the softmax of pair
   p and runs under it, P.V(p) runs a chunk at a time (V^T of one chunk, 32 registers, beside that chain; at 48
   rows the second chunk's V^T loads under the first's P.V), and S(p + 1)'s second chain is issued once P.V(p) is
@@ -348,6 +351,17 @@ class MLADecodePairsSM90(MLADecodeSM90):
                         self._pv_behind_unit(cta, acc_O, pending, u)
                     self._wait_mma(acc_O)  # inside the branch: no wgmma in flight where its paths join
                     # (with s_under_rescale, also the S issued past the last pair, on Q's own rows: done with sQ)
+            elif cutlass.const_expr(self.cfg.s_between_pv):
+                # S(0)'s first chain here, each later one during the pair before, between its chunks' P.V. Waited
+                # for at once: in flight across the loop's entry, where O^T's zeros are moved into its registers,
+                # it makes ptxas serialise every wgmma (C7515)
+                k_cur = self._own_chunk_k_base(cta, seg, cta.wg)
+                self._issue_qk_first(acc_A, q_regs, k_cur, cta.q_addr, self._s_first_steps())
+                wgmma_wait(0)
+                for pr in range(n_pairs):
+                    m0, m1, l0, l1, k_cur = self._pair(cta, seg, acc_O, acc_S, acc_A, acc_B, q_regs, sPw, sMax,
+                                                       sAlpha, pr, m0, m1, l0, l1, k_cur)
+                wgmma_wait(0)  # the chain issued past the last pair (on Q's own rows, masked) is done with sQ
             else:
                 for pr in range(n_pairs):
                     m0, m1, l0, l1 = self._pair(cta, seg, acc_O, acc_S, acc_A, acc_B, q_regs, sPw, sMax, sAlpha,
@@ -362,16 +376,23 @@ class MLADecodePairsSM90(MLADecodeSM90):
     @cute.jit
     def _pair(self, cta: CTAContext, seg, acc_O: cute.Tensor, acc_S: cute.Tensor, acc_A: cute.Tensor,
               acc_B: cute.Tensor, q_regs: cute.Tensor, sPw: cute.Tensor, sMax: cute.Tensor, sAlpha: cute.Tensor,
-              pr: Int32, m0: Float32, m1: Float32, l0: Float32, l1: Float32):
+              pr: Int32, m0: Float32, m1: Float32, l0: Float32, l1: Float32, k_cur=None):
         """Pair pr of the segment, one phase after the other: S and the softmax of this warpgroup's chunk, the
         maxima exchange, P, then P.V of both chunks into this warpgroup's dims (module docstring). Returns the
-        rows' new maxima and this thread's shares of their sums."""
+        rows' new maxima and this thread's shares of their sums; with `s_between_pv` (S's first chain of this
+        warpgroup's chunk at k_cur issued during the pair before) also where the next pair's chunk is read from."""
         lead = cta.tidx % WARPGROUP == 0
-        k_base = self._own_chunk_k_base(cta, seg, 2 * pr + cta.wg)
+        between = self.cfg.s_between_pv
+        k_base = k_cur if between else self._own_chunk_k_base(cta, seg, 2 * pr + cta.wg)
         # the previous pair's P.V is done: its V^T registers are free and its P buffers may be rewritten
         self._wait_mma(acc_O)
         self._stamp(cta, lead, pr, 8 + 8 * cta.wg + 0)  # "chunk landed"
-        self._issue_qk_chains(acc_A, acc_B, q_regs, k_base, cta.q_addr)
+        if cutlass.const_expr(between):
+            if cutlass.const_expr(self.cfg.s_chains == 2):
+                half = KV_DIM // 64
+                self._issue_s(acc_B, k_base, cta.q_addr, half, half, True, stepped_descriptors=True)
+        else:
+            self._issue_qk_chains(acc_A, acc_B, q_regs, k_base, cta.q_addr)
         self._sum_qk_chains(acc_S, acc_A, acc_B)
         self._stamp(cta, lead, pr, 8 + 8 * cta.wg + 1)  # "S done"
         new0, new1, use0, use1, alpha0, alpha1 = self._exchange_maxima(cta, seg, acc_S, sMax, pr, m0, m1)
@@ -424,11 +445,18 @@ class MLADecodePairsSM90(MLADecodeSM90):
                 self._pass_p_barrier(cta, pr)
             if cutlass.const_expr(under < 4):
                 self._wait_mma(acc_O)
+                if cutlass.const_expr(between):
+                    # S(p + 1)'s first chain into the registers S(p) left, ahead of P.V(c1) in the tensor pipe, so
+                    # that the pipe has it while the rest of V^T(c1) loads (past the last pair: Q's own rows)
+                    k_base = self._own_chunk_k_base(cta, seg, 2 * pr + 2 + cta.wg)
+                    self._issue_qk_first(acc_A, q_regs, k_base, cta.q_addr, self._s_first_steps())
                 a1 = a1 + self._load_vt(stage_b_addr, cta.wg * 4 + under, cta.wl, cta.lane, 4 - under)
             self._release_pair_stages(cta, stage0, stage1, has_c1)
             self._stamp(cta, lead, pr, 8 + 8 * cta.wg + 4)  # "V^T loaded" (the second chunk's)
             self._issue_pv_regs(acc_O, a1, p_addr + (1 - first) * p_bytes, 0)
         self._stamp(cta, lead, pr, 8 + 8 * cta.wg + 5)  # "P.V issued"
+        if cutlass.const_expr(between):
+            return new0, new1, l0 * alpha0 + csum0, l1 * alpha1 + csum1, k_base
         return new0, new1, l0 * alpha0 + csum0, l1 * alpha1 + csum1
 
     @cute.jit

@@ -27,6 +27,8 @@ def test_a_spec_is_field_value_pairs():
     deep = bk.case_config((128, 1, 64, 1 << 17, 4),
                           bk.parse_variant("pv_behind=3,rope_rows=64,p_after_pv=1,num_stages=5"))
     assert (deep.rope_rows, deep.p_after_pv, deep.num_stages) == (64, True, 5)
+    between = bk.case_config((12, 8, 64, 1 << 20, 1), bk.parse_variant("s_between_pv=1"))
+    assert (between.s_between_pv, between.rows_per_block, between.num_stages) == (True, 64, 5)
     assert bk.case_config((16, 4, 64, 1 << 20, 2), {"poison_smem": True}) == decode_config(16, 4, 64, poison_smem=True)
 
 

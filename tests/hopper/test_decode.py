@@ -260,7 +260,10 @@ DEEP_RING = {"pv_behind": 3, "rope_rows": 64, "p_after_pv": True, "num_stages": 
     (12, 4, 64, {"rope_rows": 64, "timeline": 0}), (128, 1, 64, {**DEEP_RING, "skip": frozenset({"softmax"})}),
     # the second chunk's P.V issued a dim tile at a time as its V^T loads (48 rows)
     (12, 8, 32, {**ROWS_48, "pv_second_per_tile": True}), (12, 4, 64, {"pv_second_per_tile": True, "p_planes": 2}),
-    (12, 4, 64, {"pv_second_per_tile": True, "timeline": 0})])
+    (12, 4, 64, {"pv_second_per_tile": True, "timeline": 0}),
+    # the next pair's first S chain issued between this pair's two chunks' P.V (64 rows)
+    (128, 1, 64, {"s_between_pv": True}), (64, 1, 64, {"s_between_pv": True, "p_planes": 2}),
+    (16, 4, 32, {"s_between_pv": True, "s_chains": 1}), (12, 8, 64, {"s_between_pv": True, "timeline": 0})])
 def test_chunk_pairs_builds_compile(heads, q_len, page_size, options):
     """The chunk-pairs schedule (`DecodeConfig.chunk_pairs`, research) compiles at 48 and 64 rows with 4 ring
     stages, for both P precisions, one or two S chains, half- and whole-chunk boxes, padding rows, S issued a pair
@@ -311,6 +314,14 @@ def test_chunk_pairs_is_checked():
                           (12, 4, {"pv_behind": 2, "p_planes": 1})):
         with pytest.raises(ValueError, match="pv_second_per_tile is an order of"):
             decode_config(h, q, 64, **{"chunk_pairs": True, **options}, pv_second_per_tile=True)
+    # the next pair's first S chain between the chunks' P.V: 64 rows (where V^T(c1) loads around a wait for
+    # P.V(c0)), phase after phase, and 4 stages (it waits for the next pair's chunk before releasing this pair's)
+    for h, q, options in ((12, 8, {"rows_per_block": 48}), (128, 1, {"s_ahead": True}),
+                          (128, 1, {"pv_behind": 2, "p_planes": 1, "early_rescale": False}),
+                          (128, 1, {"own_chunk_first": True}), (128, 1, {"num_stages": 3}),
+                          (128, 1, {"chunk_pairs": False})):
+        with pytest.raises(ValueError, match="s_between_pv is an order of"):
+            decode_config(h, q, 64, **{"chunk_pairs": True, **options}, s_between_pv=True)
     assert decode_config(12, 4, 32, chunk_pairs=True, q_in_registers=True).s_chains == 2  # two unless asked
     # S a pair ahead waits for the next pair's chunks before it releases this pair's: 3 stages would hang
     with pytest.raises(ValueError, match="s_ahead needs 4 ring stages"):
@@ -736,6 +747,23 @@ def test_s_ahead_changes_no_bit_gpu(num_heads, q_len, page_size, tile_tokens, op
     phases, ahead = (decode_config(num_heads, q_len, page_size, tile_tokens=tile_tokens, s_ahead=s_ahead,
                                    **PAIRS, **options) for s_ahead in (False, True))
     _assert_launches_agree(phases, ahead, [1, 700, 3000, 64, 20000, 129, 0, 4100], seed=13, num_ctas=10,
+                           tile_tokens=tile_tokens)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_heads,q_len,page_size,tile_tokens,options", [
+    (128, 1, 64, 64, {}), (16, 4, 64, 32, {"s_chains": 1}), (64, 1, 64, 64, {"p_planes": 2}), (12, 8, 64, 64, {}),
+    (16, 4, 32, 64, {})])
+def test_s_between_pv_changes_no_bit_gpu(num_heads, q_len, page_size, tile_tokens, options):
+    """The next pair's first S chain issued between this pair's two chunks' P.V (`s_between_pv`) computes the
+    same S and sums it the same way: every output and lse bit equals phase after phase's, over segments of odd and
+    even chunk counts (the chain past a segment's last pair on Q's own rows), with 5 ring stages and 4."""
+    from mla_backend.config import decode_config
+
+    phases, between = (decode_config(num_heads, q_len, page_size, tile_tokens=tile_tokens, s_between_pv=b,
+                                     **PAIRS, **options) for b in (False, True))
+    assert between.rows_per_block == 64 and between.s_between_pv
+    _assert_launches_agree(phases, between, [1, 700, 3000, 64, 20000, 129, 0, 4100], seed=41, num_ctas=10,
                            tile_tokens=tile_tokens)
 
 
