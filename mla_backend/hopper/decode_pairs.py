@@ -440,6 +440,7 @@ class MLADecodePairsSM90(MLADecodeSM90):
             self._stamp(cta, lead, pr, 8 + 8 * cta.wg + 4)  # "V^T loaded" (the second chunk's, after its issue)
         else:
             under = PAIRS_VT_TILES_UNDER_PV[self.rows, self.register_budgets()[0], self.cfg.p_planes]
+            assert under < 4 or not between, "s_between_pv issues its chain at the wait for P.V(c0), which 64 rows have"
             a1 = self._load_vt(stage_b_addr, cta.wg * 4, cta.wl, cta.lane, under)
             if cutlass.const_expr(self.cfg.own_chunk_first):
                 self._pass_p_barrier(cta, pr)
