@@ -389,8 +389,7 @@ class MLADecodePairsSM90(MLADecodeSM90):
         self._stamp(cta, lead, pr, 8 + 8 * cta.wg + 0)  # "chunk landed"
         if cutlass.const_expr(between):
             if cutlass.const_expr(self.cfg.s_chains == 2):
-                half = KV_DIM // 64
-                self._issue_s(acc_B, k_base, cta.q_addr, half, half, True, stepped_descriptors=True)
+                self._issue_qk_second(acc_B, k_base, cta.q_addr)
         else:
             self._issue_qk_chains(acc_A, acc_B, q_regs, k_base, cta.q_addr)
         self._sum_qk_chains(acc_S, acc_A, acc_B)
@@ -468,7 +467,6 @@ class MLADecodePairsSM90(MLADecodeSM90):
         chain) under this pair's softmax, its second once this pair's P.V is done; P.V a chunk at a time (V^T of
         one chunk in registers beside the next S's first chain). Returns as `_pair`."""
         lead = cta.tidx % WARPGROUP == 0
-        half = KV_DIM // 64
         two = self.cfg.s_chains == 2
         self._sum_qk_chains(acc_S, acc_A, acc_B)  # S(pr), issued during the previous pair
         self._stamp(cta, lead, pr, 8 + 8 * cta.wg + 1)  # "S done"
@@ -504,7 +502,7 @@ class MLADecodePairsSM90(MLADecodeSM90):
         self._stamp(cta, lead, pr, 8 + 8 * cta.wg + 5)  # "P.V issued"
         self._wait_mma(acc_O)  # P.V(c1): a1's registers are free for the next S's second chain
         if cutlass.const_expr(two):
-            self._issue_s(acc_B, k_next, cta.q_addr, half, half, True, stepped_descriptors=True)
+            self._issue_qk_second(acc_B, k_next, cta.q_addr)
         return new0, new1, l0 * alpha0 + csum0, l1 * alpha1 + csum1
 
     @cute.jit
@@ -677,7 +675,13 @@ class MLADecodePairsSM90(MLADecodeSM90):
             self._issue_qk_first(acc_A, q_regs, k_base, q_addr, 2 * half)
         else:
             self._issue_qk_first(acc_A, q_regs, k_base, q_addr, half)
-            self._issue_s(acc_B, k_base, q_addr, half, half, True, stepped_descriptors=True)
+            self._issue_qk_second(acc_B, k_base, q_addr)
+
+    @cute.jit
+    def _issue_qk_second(self, acc_B: cute.Tensor, k_base: Int32, q_addr: Int32):
+        """Issue (and commit) S's second chain of the chunk at k_base: k32 steps [9, 18), from zero."""
+        half = KV_DIM // 64
+        self._issue_s(acc_B, k_base, q_addr, half, half, True, stepped_descriptors=True)
 
     @cute.jit
     def _sum_qk_chains(self, acc_S: cute.Tensor, acc_A: cute.Tensor, acc_B: cute.Tensor):
