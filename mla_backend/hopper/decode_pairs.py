@@ -110,6 +110,7 @@ from .decode_layout import (CHUNK, SOFTMAX_THREADS, WARPGROUP, p_buffer_bytes, p
                             smem_region_bytes, stage_bytes)
 from .ptx import (exp2_fma, fence_operand, fence_proxy_async_smem, quantize_p_e4m3, quantize_p_hi_lo,
                   wgmma_commit, wgmma_fence, wgmma_wait)
+from .softmax import max_tree
 
 PAIRS_REGS_MMA, PAIRS_REGS_LOAD = 232, 40
 # A launch's registers a thread triple (3 x 168): what the MMA warpgroups' budget (`DecodeConfig.mma_registers`)
@@ -793,8 +794,7 @@ class MLADecodePairsSM90(MLADecodeSM90):
         """S's accumulators with each row's tokens at or past its end -inf where masked_by (the segment) is
         given, and this thread's maxima of its two rows (of S, not yet in base 2)."""
         C = CHUNK
-        cmax0 = -Float32.inf
-        cmax1 = -Float32.inf
+        row0, row1 = [], []
         for i in cutlass.range_constexpr(C // 8):
             for e in cutlass.range_constexpr(2):
                 n = 8 * i + 2 * cta.lt + e
@@ -807,9 +807,9 @@ class MLADecodePairsSM90(MLADecodeSM90):
                         s1 = -Float32.inf
                 acc_S[4 * i + e] = s0
                 acc_S[4 * i + 2 + e] = s1
-                cmax0 = cute.arch.fmax(cmax0, s0)
-                cmax1 = cute.arch.fmax(cmax1, s1)
-        return cmax0, cmax1
+                row0.append(s0)
+                row1.append(s1)
+        return max_tree(row0), max_tree(row1)
 
     @cute.jit
     def _pair_stages(self, cta: CTAContext, seg, pr: Int32):

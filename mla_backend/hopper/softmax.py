@@ -26,6 +26,15 @@ def rescale_slack(p_scale: float) -> float:
     return math.log2(E4M3_MAX / p_scale) - 0.05
 
 
+def max_tree(values: list) -> Float32:
+    """The max of a thread's values in a tree of depth log2(n) instead of a chain of n: the maxima exchange
+    waits on it (fmax is exact, so every order gives the same value)."""
+    while len(values) > 1:
+        values = [cute.arch.fmax(values[i], values[i + 1]) if i + 1 < len(values) else values[i]
+                  for i in range(0, len(values), 2)]
+    return values[0]
+
+
 class OnlineSoftmax:
     """Mixin of the decode kernels (`decode_common.MLADecodeSM90`): needs self.cfg, self.tpr,
     self.words_per_thread and (for P.V issued inside the softmax) `decode_mma.DecodeMMA._issue_pv_part`."""
