@@ -28,7 +28,8 @@ Three forms (`DecodeConfig.s_ahead`, `DecodeConfig.pv_behind`):
   through each softmax. With `s_between_pv` (research, 64 rows) S(p + 1)'s first chain is issued once P.V of the
   pair's first chunk is done, into the registers S(p) left, ahead of the second chunk's P.V, so that the tensor
   pipe has it while the rest of that chunk's V^T loads (the pipe otherwise idle); its second chain is issued as
-  pair p + 1 starts. The same arithmetic in the same order (bit-identical outputs);
+  pair p + 1 starts. The same arithmetic in the same order (bit-identical outputs); on an H100 2-7% slower where
+  the tensor cores bound the step: the chain then sits ahead of P.V(c1) (experiments.md);
 - S a pair ahead: S(p + 1)'s first chain (or its only chain, `s_chains=1`) is issued before the softmax of pair
   p and runs under it, P.V(p) runs a chunk at a time (V^T of one chunk, 32 registers, beside that chain; at 48
   rows the second chunk's V^T loads under the first's P.V), and S(p + 1)'s second chain is issued once P.V(p) is
