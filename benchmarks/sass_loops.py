@@ -3,6 +3,7 @@
     python benchmarks/sass_loops.py --case "12 8 32" --case "12 1 32"           # heads q_len page
     python benchmarks/sass_loops.py --case "12 8 32" --variant p_planes=2       # a configuration's overrides
     python benchmarks/sass_loops.py --case "12 1 32" --rows-per-block 32 --p-planes 1
+    python benchmarks/sass_loops.py --case "128 1 64" --windows                 # and each loop between its waits
 
 Compiles the decode kernel of a configuration for sm_90a as the runtime does (`config.decode_config` with the
 overrides of `--variant SPEC`, bench_decode_kernel.py's, and of --rows-per-block / --p-planes, the SPEC's
@@ -37,9 +38,8 @@ _INSTR = re.compile(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);")
 _LABEL = re.compile(r"^(\.L_x_\d+):")
 
 
-def sass_loops(sass: str):
-    """[(first address, last address, instruction count, Counter of opcode families)] of every loop in an
-    nvdisasm listing: a branch back to a label at or before it."""
+def _instructions(sass: str):
+    """[(address, text, opcode)] of an nvdisasm listing, and {label: index of the instruction after it}."""
     instrs, labels = [], {}
     for line in sass.splitlines():
         m = _INSTR.match(line)
@@ -51,6 +51,13 @@ def sass_loops(sass: str):
         m = _LABEL.match(line.strip())
         if m:
             labels[m.group(1)] = len(instrs)
+    return instrs, labels
+
+
+def sass_loops(sass: str):
+    """[(first address, last address, instruction count, Counter of opcode families)] of every loop in an
+    nvdisasm listing: a branch back to a label at or before it."""
+    instrs, labels = _instructions(sass)
     loops = []
     for i, (_, text, op) in enumerate(instrs):
         target = re.search(r"(\.L_x_\d+)", text) if op.startswith("BRA") else None
@@ -60,6 +67,27 @@ def sass_loops(sass: str):
             loops.append((instrs[start][0], instrs[i][0], len(body),
                           collections.Counter(o.split(".")[0] for _, _, o in body)))
     return loops
+
+
+# where a warp waits: a CTA or named barrier, a wgmma wait, an mbarrier wait
+_WAITS = ("BAR.SYNC", "WARPGROUP.DEPBAR", "SYNCS.PHASECHK")
+
+
+def loop_windows(sass: str, first: int, last: int):
+    """The loop [first, last] (addresses, as `sass_loops` gives them) cut after each wait instruction (_WAITS):
+    [(the wait ending the window or "back edge", instruction count, Counter of opcode families)], in listing
+    order. A window's instructions run between two waits, so its count per warp, times the warps of a scheduler,
+    bounds that stretch of the loop from issue alone (what ncu's `selected` / `not_selected` samples show)."""
+    body = [(text, op) for address, text, op in _instructions(sass)[0] if first <= address <= last]
+    windows, ops = [], collections.Counter()
+    for text, op in body:
+        ops[op.split(".")[0]] += 1
+        if op.startswith(_WAITS):
+            windows.append((text, sum(ops.values()), ops))
+            ops = collections.Counter()
+    if ops:
+        windows.append(("back edge", sum(ops.values()), ops))
+    return windows
 
 
 # run in a subprocess, so that CUTE_DSL_KEEP applies to a fresh DSL: compile one configuration like the runtime
@@ -124,6 +152,8 @@ def main(argv=None) -> int:
     p.add_argument("--rows-per-block", type=int, default=None, help="query rows per CTA (default: the runtime's)")
     p.add_argument("--p-planes", type=int, default=None, help="e4m3 planes of P (default: the runtime's)")
     p.add_argument("--min-instructions", type=int, default=100, help="leave out smaller loops")
+    p.add_argument("--windows", action="store_true",
+                   help="also each loop's stretches between waits (barriers, wgmma and mbarrier waits)")
     args = p.parse_args(argv)
     try:
         overrides = run_overrides(args.variant, args.p_planes, args.rows_per_block)
@@ -132,10 +162,15 @@ def main(argv=None) -> int:
     for text in args.case or ["12 8 32"]:
         heads, q_len, page = (int(x) for x in text.split())
         print(f"H{heads} q{q_len} page {page}" + (f", {format_overrides(overrides)}" if overrides else "") + ":")
-        for first, last, count, ops in sass_loops(disassemble(heads, q_len, page, overrides)):
+        sass = disassemble(heads, q_len, page, overrides)
+        for first, last, count, ops in sass_loops(sass):
             if count >= args.min_instructions:
                 print(f"  loop {first:#x}-{last:#x}: {count} instructions; "
                       + ", ".join(f"{k} {v}" for k, v in ops.most_common(16)))
+                if args.windows:
+                    for wait, n, w_ops in loop_windows(sass, first, last):
+                        print(f"    {n:4d} up to {wait[:48]}: " + ", ".join(f"{k} {v}" for k, v in
+                                                                      w_ops.most_common(8)))
     return 0
 
 

@@ -33,6 +33,34 @@ def test_backward_branches_are_loops_with_their_opcode_counts():
     assert outer["FMUL"] == 2 and outer["QGMMA"] == 1 and outer["BRA"] == 2 and outer["LDS"] == 1
 
 
+WAITS = """
+.L_x_7:
+        /*0100*/                   QGMMA.64x64x32.F32.E4M3.E4M3 R24, gdesc[UR12], R24, gsb0 ;
+        /*0110*/                   WARPGROUP.DEPBAR.LE gsb0, 0x0 ;
+        /*0120*/                   FMNMX R11, R12, R25, !PT ;
+        /*0130*/                   STS [R14+UR28+0x36000], R11 ;
+        /*0140*/                   BAR.SYNC.DEFER_BLOCKING 0x1, 0x100 ;
+        /*0150*/                   MUFU.EX2 R11, R11 ;
+        /*0160*/                   FMUL R200, R200, R16 ;
+        /*0170*/                   FMUL R201, R201, R16 ;
+        /*0180*/              @!P3 SYNCS.PHASECHK.TRANS64.TRYWAIT P3, [UR29+0x38900], R17 ;
+        /*0190*/                   FADD R1, R2, R3 ;
+        /*01a0*/               @P1 BRA `(.L_x_7) ;
+"""
+
+
+def test_a_loop_is_cut_after_each_wait():
+    loops = sass_loops.sass_loops(WAITS)
+    assert [(first, last, count) for first, last, count, _ in loops] == [(0x100, 0x1A0, 11)]
+    windows = sass_loops.loop_windows(WAITS, 0x100, 0x1A0)
+    assert [(wait.split()[0], n) for wait, n, _ in windows] == [
+        ("WARPGROUP.DEPBAR.LE", 2), ("BAR.SYNC.DEFER_BLOCKING", 3), ("@!P3", 4), ("back", 2)]
+    assert windows[2][2] == {"MUFU": 1, "FMUL": 2, "SYNCS": 1}  # a predicated wait ends its window too
+    assert windows[3][2] == {"FADD": 1, "BRA": 1}
+    # instructions outside the loop's addresses are not counted
+    assert sum(n for _, n, _ in sass_loops.loop_windows(WAITS, 0x120, 0x160)) == 5
+
+
 def test_the_command_line_overrides_are_decode_config_overrides():
     assert sass_loops.run_overrides() == {}
     assert sass_loops.run_overrides("", 1, 32) == {"rows_per_block": 32, "p_planes": 1}
