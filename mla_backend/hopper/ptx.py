@@ -292,6 +292,41 @@ def wgmma_ss_e4m3_desc(a_lo, b_lo, acc, accumulate, *, swizzle64: bool = False, 
 
 
 @dsl_user_op
+def wgmma_ss_e4m3_a64(a_addr, b_addr, b_lbo: int, b_sbo: int, acc, *, loc=None, ip=None):
+    """D += A.B^T, wgmma m64nNk32 e4m3 -> f32 with both operands in shared memory, K-major: A 64 rows of 64 bytes
+    in the 64B swizzle (`wgmma_ss_e4m3(swizzle64=True)`'s A), B without swizzle as for `wgmma_rs_e4m3` (core
+    matrices b_lbo bytes apart along K, b_sbo along N); both addresses advanced to the k32 step."""
+    n_acc = len(acc)
+    n = n_acc * 2
+    outs = ", ".join(f"${i}" for i in range(n_acc))
+    ia, ib = n_acc, n_acc + 1
+    operands = [Int32(a_addr).ir_value(loc=loc, ip=ip), Int32(b_addr).ir_value(loc=loc, ip=ip)]
+    operands += [Float32(x).ir_value(loc=loc, ip=ip) for x in acc]
+    asm = (
+        "{\n"
+        ".reg .b32 alo, ahi, blo, bhi;\n"
+        ".reg .b64 da, db;\n"
+        ".reg .pred p;\n"
+        f"mov.b32 ahi, {DESC_HI_SWIZZLE64};\n"
+        f"shr.b32 alo, ${ia}, 4;\n"
+        "and.b32 alo, alo, 0x3FFF;\n"
+        f"or.b32 alo, alo, {DESC_LO_SWIZZLE128};\n"
+        "mov.b64 da, {alo, ahi};\n"
+        f"mov.b32 bhi, {b_sbo >> 4};\n"
+        f"shr.b32 blo, ${ib}, 4;\n"
+        "and.b32 blo, blo, 0x3FFF;\n"
+        f"or.b32 blo, blo, {(b_lbo >> 4) << 16};\n"
+        "mov.b64 db, {blo, bhi};\n"
+        "setp.eq.b32 p, blo, blo;\n"  # scale-d: accumulate
+        f"wgmma.mma_async.sync.aligned.m64n{n}k32.f32.e4m3.e4m3 {{{outs}}}, da, db, p, 1, 1;\n"
+        "}"
+    )
+    constraints = ",".join(["=f"] * n_acc + ["r", "r"] + [str(i) for i in range(n_acc)])
+    res = _asm(_struct(n_acc, T.f32()), operands, asm, constraints, True, loc, ip)
+    return [Float32(llvm.extractvalue(T.f32(), res, [i], loc=loc, ip=ip)) for i in range(n_acc)]
+
+
+@dsl_user_op
 def wgmma_rs_e4m3(a, b_addr, b_lbo: int, b_sbo: int, acc, *, b_swizzle128: bool = False, accumulate: bool = True,
                   loc=None, ip=None):
     """D += A.B^T, wgmma m64nNk32 e4m3 -> f32 with A from registers (4 Int32, the mma.m16n8k32 A fragment of
