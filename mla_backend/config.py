@@ -146,7 +146,11 @@ class DecodeConfig:
     its registers are there, instead of after the last tile (the same wgmmas in the same order). `s_between_pv`
     (research; the phase-after-phase form at 64 rows) issues the next pair's first S chain (its only one with
     `s_chains=1`) between this pair's two chunks' P.V, once the first chunk's is done, so that the tensor pipe
-    runs it while the rest of the second chunk's V^T loads (the same arithmetic in the same order). `poison_smem` (a
+    runs it while the rest of the second chunk's V^T loads (the same arithmetic in the same order). `vt_smem`
+    (research; the phase-after-phase form at 64 rows, 3 ring stages of 36 KB) has each MMA warpgroup transpose its
+    own chunk of a pair into a V^T buffer in shared memory while its S runs, so that P.V reads V^T as a
+    shared-memory operand: no V^T loads between the P barrier and P.V, and no V^T registers (the same arithmetic in
+    the same order). `poison_smem` (a
     check for tests) sets every byte of the CTA's shared memory to 0xFF (NaN as e4m3, fp16 and fp32) before the
     kernel uses it: a read of shared memory that the launch did not write, whose value would otherwise be whatever
     the SM's previous kernel left there, then shows in the outputs. `skip` and `timeline` are research builds
@@ -188,6 +192,7 @@ class DecodeConfig:
     p_after_pv: bool = False
     pv_second_per_tile: bool = False
     s_between_pv: bool = False
+    vt_smem: bool = False
 
     def __post_init__(self):
         if self.page_size <= 0 or self.page_size & (self.page_size - 1):
@@ -289,6 +294,13 @@ class DecodeConfig:
             # chain goes; 4 stages: the next pair's chunk must land before this pair releases its own
             raise ValueError("s_between_pv is an order of the chunk_pairs schedule's phase-after-phase form at 64 "
                              "rows with 4 or more ring stages, without own_chunk_first")
+        if self.vt_smem and (not self.chunk_pairs or self.rows_per_block != 64 or self.s_ahead or self.pv_behind
+                             or self.own_chunk_first or self.s_between_pv or self.q_in_registers
+                             or self.num_stages != 3 or self.rope_rows != 64):
+            # 3 stages of 36 KB: the two chunks' V^T buffers (64 KB) take the room of two more
+            raise ValueError("vt_smem is a form of the chunk_pairs schedule's phase-after-phase form at 64 rows with "
+                             "3 ring stages of 64-byte rope rows (rope_rows=64), without own_chunk_first, "
+                             "s_between_pv or q_in_registers")
         unknown = set(self.skip) - set(DECODE_PARTS)
         if unknown:
             raise ValueError(f"skip names unknown parts {sorted(unknown)}; known: {', '.join(DECODE_PARTS)}")
@@ -412,6 +424,9 @@ def decode_config(num_heads: int, q_len: int, page_size: int, *, tile_tokens: in
         research = {"s_chains": 1, **research}  # one chain leaves the most of Q in registers
     if kv_box_tokens is None:
         kv_box_tokens = default_kv_box_tokens(page_size, tile_tokens)
+    if num_stages is None and research.get("vt_smem"):
+        num_stages = 3  # beside the V^T buffers
+        research = {"rope_rows": 64, **research}
     if num_stages is None and default_deep_ring(research, rows, p_planes, kv_box_tokens):
         num_stages = 5
         research = {**research, "rope_rows": 64}

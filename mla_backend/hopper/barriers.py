@@ -17,3 +17,5 @@ PAIR_Q_BAR = 3  # the load warpgroup arrives once Q landed, warpgroups 0 and 1 w
 PAIR_SUM_BAR = 4  # warpgroups 0 and 1 at a segment's end: warpgroup 1's row sums, then the output scales, written
 PAIR_WG_BAR = 5  # + warpgroup (5, 6): one MMA warpgroup alone, the zeroed tail of its chunk written
 PAIR_PV_DONE_BAR = 7  # warpgroups 0 and 1 (`p_after_pv`): P.V of the pair before done in both, its P buffers free
+PAIR_TAIL_BAR = 8  # warpgroups 0 and 1 (`vt_smem`): the zeroed tail of a segment's last chunk written, before both
+# warpgroups transpose that pair's chunks

@@ -22,10 +22,12 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
-from ..shapes import KV_DIM
+from ..shapes import KV_DIM, LATENT_DIM
 from .decode_layout import CHUNK, KV_BLOCKS, LATENT_BLOCKS, P_LBO, P_SBO
 from .ptx import (fence_operand, ldmatrix_x4, prmt, smem_desc_lo, wgmma_commit, wgmma_fence, wgmma_rs_e4m3,
-                  wgmma_ss_e4m3, wgmma_ss_e4m3_desc, wgmma_wait)
+                  wgmma_ss_e4m3, wgmma_ss_e4m3_a64, wgmma_ss_e4m3_desc, wgmma_wait)
+
+VT_HALF_BYTES = LATENT_DIM // 2 * CHUNK  # a chunk's V^T in a P.V warpgroup's 256 dims (`_store_vt`)
 
 
 class DecodeMMA:
@@ -257,6 +259,41 @@ class DecodeMMA:
                                       P_LBO, P_SBO, [acc_O[at * NA + i] for i in range(NA)])
                     for i in cutlass.range_constexpr(NA):
                         acc_O[at * NA + i] = d[i]
+
+    @cute.jit
+    def _store_vt(self, stage_addr: Int32, sVt: cute.Tensor, dim_tile0: Int32, wl: Int32, lane: Int32):
+        """V^T of 4 dim tiles from dim_tile0 of the chunk in the ring stage at stage_addr into sVt (Int32 words) in
+        the K-major 64B-swizzled layout of a P.V A operand (`_pv_wgmmas_smem`): the tiles' dim d (0-255) has its
+        64 tokens in one 64-byte row, byte o = 64 d + token at o ^ ((o >> 7) & 3) << 4. `_load_vt`'s registers
+        are the mma.m16n8k32 A fragment: register r of (tile t, k32 step ks) holds dim 64 t + 16 wl + lane / 4 +
+        8 (r % 2), tokens 32 ks + 16 (r // 2) + 4 (lane % 4) + (0..3), one a byte. The swizzle's XOR takes
+        (dim >> 1) & 3 = (lane >> 3) & 3 here, so the thread's 4 token offsets are computed once and every store
+        is one of them plus a constant; a warp's 32 stores meet 32 distinct banks."""
+        C = CHUNK
+        row = (16 * wl + lane // 4) * C + 4 * (lane % 4)
+        flip = (lane >> 3) & 3
+        cols = [row + 16 * (j ^ flip) for j in range(4)]  # j = 2 ks + r // 2: the token's 16-byte block
+        for t in cutlass.range_constexpr(4):
+            regs = self._load_vt(stage_addr, dim_tile0 + t, wl, lane, 1)
+            for ks in cutlass.range_constexpr(C // 32):
+                for r in cutlass.range_constexpr(4):
+                    sVt[(cols[2 * ks + r // 2] + (64 * t + 8 * (r % 2)) * C) // 4] = regs[ks][r]
+
+    @cute.jit
+    def _pv_wgmmas_smem(self, acc_O: cute.Tensor, vt_addr: Int32, p_addr: Int32):
+        """The P.V wgmmas of 4 dim tiles (2 k32 steps x the P planes each) with V^T from the buffer `_store_vt`
+        wrote at vt_addr: accumulator tiles 0-3. (A research build without P.V issues none.)"""
+        C = CHUNK
+        ROWS = self.rows
+        NA = ROWS // 2
+        for t in cutlass.range_constexpr(4 if self.cfg.runs("pv") else 0):
+            for ks in cutlass.range_constexpr(C // 32):
+                for plane in cutlass.range_constexpr(self.cfg.p_planes):
+                    d = wgmma_ss_e4m3_a64(vt_addr + t * (64 * C) + 32 * ks,
+                                          p_addr + plane * (ROWS * 64) + ks * 2 * P_LBO, P_LBO, P_SBO,
+                                          [acc_O[t * NA + i] for i in range(NA)])
+                    for i in cutlass.range_constexpr(NA):
+                        acc_O[t * NA + i] = d[i]
 
     @cute.jit
     def _issue_pv_part(self, acc_O: cute.Tensor, vt: cute.Tensor, p_addr: Int32, t0: cutlass.Constexpr,

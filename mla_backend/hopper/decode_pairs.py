@@ -29,7 +29,9 @@ Three forms (`DecodeConfig.s_ahead`, `DecodeConfig.pv_behind`):
   pair's first chunk is done, into the registers S(p) left, ahead of the second chunk's P.V, so that the tensor
   pipe has it while the rest of that chunk's V^T loads (the pipe otherwise idle); its second chain is issued as
   pair p + 1 starts. The same arithmetic in the same order (bit-identical outputs); on an H100 2-7% slower where
-  the tensor cores bound the step: the chain then sits ahead of P.V(c1) (experiments.md);
+  the tensor cores bound the step: the chain then sits ahead of P.V(c1) (experiments.md). With `vt_smem`
+  (research, 64 rows, 3 stages) each warpgroup transposes both chunks in its dims into shared memory while its S
+  runs, and P.V reads V^T from there (`_pair_vt_smem`): no V^T registers or loads between the P barrier and P.V;
 - S a pair ahead: S(p + 1)'s first chain (or its only chain, `s_chains=1`) is issued before the softmax of pair
   p and runs under it, P.V(p) runs a chunk at a time (V^T of one chunk, 32 registers, beside that chain; at 48
   rows the second chunk's V^T loads under the first's P.V), and S(p + 1)'s second chain is issued once P.V(p) is
@@ -105,10 +107,12 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 
 from ..shapes import KV_DIM
-from .barriers import PAIR_MAX_BAR, PAIR_P_BAR, PAIR_PV_DONE_BAR, PAIR_Q_BAR, PAIR_SUM_BAR, PAIR_WG_BAR
+from .barriers import (PAIR_MAX_BAR, PAIR_P_BAR, PAIR_PV_DONE_BAR, PAIR_Q_BAR, PAIR_SUM_BAR, PAIR_TAIL_BAR,
+                       PAIR_WG_BAR)
 from .decode_common import CTAContext, MLADecodeSM90
 from .decode_layout import (CHUNK, SOFTMAX_THREADS, WARPGROUP, p_buffer_bytes, p_words_layout, q_bytes,
                             smem_region_bytes, stage_bytes)
+from .decode_mma import VT_HALF_BYTES
 from .ptx import (exp2_fma, fence_operand, fence_proxy_async_smem, quantize_p_e4m3, quantize_p_hi_lo,
                   wgmma_commit, wgmma_fence, wgmma_wait)
 from .softmax import max_tree
@@ -175,6 +179,8 @@ class MLADecodePairsSM90(MLADecodeSM90):
         regions["q"] = q_bytes(S_ROWS, self.cfg.rope_rows)
         regions["s"] = 2 * self.rows * 4
         regions["p"] = self.p_buffers * p_buffer_bytes(self.rows, self.cfg.p_planes)
+        if self.cfg.vt_smem:
+            regions["ring"] += 4 * VT_HALF_BYTES  # each P.V warpgroup's V^T of a pair after the stages (`_pair`)
         return regions
 
     @property
@@ -394,14 +400,25 @@ class MLADecodePairsSM90(MLADecodeSM90):
                 self._issue_qk_second(acc_B, k_base, cta.q_addr)
         else:
             self._issue_qk_chains(acc_A, acc_B, q_regs, k_base, cta.q_addr)
+        if cutlass.const_expr(self.cfg.vt_smem):
+            # (research) both chunks' V^T in this warpgroup's dims into its own buffers while its S runs (the
+            # warps wait for the tensor pipe there); only this warpgroup reads them, after its P barrier, and
+            # rewrites them after its wait for this pair's P.V
+            stage0, stage1, has_c1 = self._pair_stages(cta, seg, pr)
+            self._store_pair_vt(cta, seg, pr, stage0, stage1, has_c1)
         self._sum_qk_chains(acc_S, acc_A, acc_B)
         self._stamp(cta, lead, pr, 8 + 8 * cta.wg + 1)  # "S done"
+        if cutlass.const_expr(self.cfg.vt_smem):
+            self._release_pair_stages(cta, stage0, stage1, has_c1)  # S and the transposes were their readers
         new0, new1, use0, use1, alpha0, alpha1 = self._exchange_maxima(cta, seg, acc_S, sMax, pr, m0, m1)
         # both chunks into this warpgroup's 256 dims (a missing second chunk: zero P against chunk c0's V^T). V^T of
         # the first is loaded here, past the maxima barrier (so both chunks' zeroed tails are visible), to run
         # under P's exp2 and conversions, and the second's under P.V of the first (PAIRS_VT_TILES_UNDER_PV): ldmatrix
         # takes the shared-memory pipe, which neither of those needs (both loads sat between the P barrier and
         # P.V, ~900 cycles of a ~4980-cycle pair at H128: experiments.md). The same arithmetic in the same order.
+        if cutlass.const_expr(self.cfg.vt_smem):
+            return self._pair_vt_smem(cta, seg, acc_O, acc_S, sPw, sAlpha, pr, l0, l1, new0, new1, use0, use1,
+                                      alpha0, alpha1)
         stage0, stage1, has_c1 = self._pair_stages(cta, seg, pr)
         # own_chunk_first (research): this warpgroup's chunk first, whose P and alphas only it wrote, so that its
         # P.V needs no wait for the other warpgroup and runs under the P barrier's wait; else chunk 2p first
@@ -460,6 +477,60 @@ class MLADecodePairsSM90(MLADecodeSM90):
         if cutlass.const_expr(between):
             return new0, new1, l0 * alpha0 + csum0, l1 * alpha1 + csum1, k_base
         return new0, new1, l0 * alpha0 + csum0, l1 * alpha1 + csum1
+
+    @cute.jit
+    def _pair_vt_smem(self, cta: CTAContext, seg, acc_O: cute.Tensor, acc_S: cute.Tensor, sPw: cute.Tensor,
+                      sAlpha: cute.Tensor, pr: Int32, l0: Float32, l1: Float32, new0: Float32, new1: Float32,
+                      use0: Float32, use1: Float32, alpha0: Float32, alpha1: Float32):
+        """The rest of pair pr with V^T in shared memory (`DecodeConfig.vt_smem`), past the maxima exchange: the
+        rescale and P as in `_pair`, then P.V of both chunks as 16 wgmmas on the V^T buffers, no V^T loads
+        between the P barrier and P.V. A missing second chunk: zero P against the first chunk's V^T, as there."""
+        lead = cta.tidx % WARPGROUP == 0
+        if cutlass.const_expr(self.cfg.early_rescale):
+            self._publish_alphas(cta, sAlpha, alpha0, alpha1)
+            cute.arch.barrier(barrier_id=PAIR_WG_BAR + cta.wg, number_of_threads=WARPGROUP)
+            self._rescale_o(acc_O, sAlpha[None, cta.wg], cta.lt, self.cfg.unit_rescale_skip)
+        csum0, csum1 = self._publish_p(cta, acc_S, sPw, sAlpha, use0, use1, alpha0, alpha1)
+        self._pass_p_barrier(cta, pr)
+        if cutlass.const_expr(not self.cfg.early_rescale):
+            self._rescale_o(acc_O, sAlpha[None, cta.wg], cta.lt, self.cfg.unit_rescale_skip)
+        p_addr = cta.storage.p.data_ptr().toint()
+        p_bytes = p_buffer_bytes(self.rows, self.cfg.p_planes)
+        vt_addr = self._vt_addr(cta, 0)
+        vt_second = vt_addr
+        if 2 * pr + 1 < seg.n_chunks:
+            vt_second = self._vt_addr(cta, 1)
+        self._stamp(cta, lead, pr, 8 + 8 * cta.wg + 4)  # "V^T loaded" (none to load: P.V issue starts)
+        wgmma_fence()
+        self._pv_wgmmas_smem(acc_O, vt_addr, p_addr)
+        self._pv_wgmmas_smem(acc_O, vt_second, p_addr + p_bytes)
+        wgmma_commit()
+        self._stamp(cta, lead, pr, 8 + 8 * cta.wg + 5)  # "P.V issued"
+        return new0, new1, l0 * alpha0 + csum0, l1 * alpha1 + csum1
+
+    def _vt_offset(self, cta: CTAContext, c: int) -> Int32:
+        """Bytes from the ring's start to this warpgroup's V^T buffer of a pair's chunk c (after the stages)."""
+        return self.cfg.num_stages * self.stage_bytes + (2 * cta.wg + c) * VT_HALF_BYTES
+
+    def _vt_addr(self, cta: CTAContext, c: int) -> Int32:
+        return cta.ring_addr + self._vt_offset(cta, c)
+
+    @cute.jit
+    def _store_pair_vt(self, cta: CTAContext, seg, pr: Int32, stage0: Int32, stage1: Int32, has_c1):
+        """Both chunks of pair pr (landed: `_pair_stages`) as V^T in this warpgroup's 256 dims into its buffers
+        (`decode_mma._store_vt`), fenced for the wgmma; in the pair of a segment's last chunk, if that chunk ends
+        inside its page, past the barrier on its zeroed tail (each warpgroup zeroes its own chunk's)."""
+        C = CHUNK
+        if 2 * pr + 2 >= seg.n_chunks:  # the segment's last chunk, whose tail its owner zeroed (`_own_chunk_k_base`)
+            if seg.tok_end - (seg.tok_begin + (seg.n_chunks - 1) * C) < C:
+                cute.arch.barrier(barrier_id=PAIR_TAIL_BAR, number_of_threads=SOFTMAX_THREADS)
+        for c in cutlass.range_constexpr(2):
+            stage = stage0 if c == 0 else stage1
+            words = cute.make_tensor(cute.recast_ptr(cta.storage.ring.data_ptr() + self._vt_offset(cta, c),
+                                                     dtype=Int32), cute.make_layout((VT_HALF_BYTES // 4,)))
+            if c == 0 or has_c1:
+                self._store_vt(cta.ring_addr + stage * self.stage_bytes, words, cta.wg * 4, cta.wl, cta.lane)
+        fence_proxy_async_smem()  # V^T is a wgmma operand
 
     @cute.jit
     def _pair_s_ahead(self, cta: CTAContext, seg, acc_O: cute.Tensor, acc_S: cute.Tensor, acc_A: cute.Tensor,

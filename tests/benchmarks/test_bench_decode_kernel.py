@@ -29,6 +29,8 @@ def test_a_spec_is_field_value_pairs():
     assert (deep.rope_rows, deep.p_after_pv, deep.num_stages) == (64, True, 5)
     between = bk.case_config((12, 8, 64, 1 << 20, 1), bk.parse_variant("s_between_pv=1"))
     assert (between.s_between_pv, between.rows_per_block, between.num_stages) == (True, 64, 5)
+    vt = bk.case_config((128, 1, 64, 1 << 17, 4), bk.parse_variant("vt_smem=1"))
+    assert (vt.vt_smem, vt.num_stages, vt.rope_rows) == (True, 3, 64)
     assert bk.case_config((16, 4, 64, 1 << 20, 2), {"poison_smem": True}) == decode_config(16, 4, 64, poison_smem=True)
 
 

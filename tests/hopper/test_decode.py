@@ -294,6 +294,25 @@ def test_chunk_pairs_builds_compile(heads, q_len, page_size, options):
     assert compile_decode(cfg) is not None
 
 
+@pytest.mark.parametrize("heads,q_len,options", [
+    (128, 1, {}), (12, 8, {}), (16, 4, {"p_planes": 2}), (64, 1, {"early_rescale": False, "timeline": 0}),
+    (128, 1, {"poison_smem": True})])
+def test_vt_smem_builds_compile(heads, q_len, options):
+    """V^T in shared memory (`DecodeConfig.vt_smem`, research) compiles at 64 rows with one and two P planes, the
+    rescale beside P or after the P barrier, and its timeline and poisoned builds; 3 ring stages of 36 KB and each
+    MMA warpgroup's V^T of a pair (2 x 256 dims x 64 tokens) fit a CTA."""
+    from mla_backend.config import decode_config
+    from mla_backend.hopper.decode import compile_decode, decode_kernel
+    from mla_backend.hopper.decode_layout import SM90_SMEM_CAPACITY
+
+    cfg = decode_config(heads, q_len, 64, vt_smem=True, **options)
+    assert (cfg.schedule, cfg.rows_per_block, cfg.num_stages, cfg.rope_rows) == ("pairs", 64, 3, 64)
+    regions = decode_kernel(cfg).smem_regions()
+    assert regions["ring"] == 3 * 64 * 576 + 2 * 2 * 256 * 64
+    assert sum(regions.values()) + 8 * 2 * cfg.num_stages <= SM90_SMEM_CAPACITY
+    assert compile_decode(cfg) is not None
+
+
 def test_chunk_pairs_is_checked():
     from mla_backend.config import decode_config
     from mla_backend.config import PAIRS_MMA_REGISTERS
@@ -322,6 +341,14 @@ def test_chunk_pairs_is_checked():
                           (128, 1, {"chunk_pairs": False})):
         with pytest.raises(ValueError, match="s_between_pv is an order of"):
             decode_config(h, q, 64, **{"chunk_pairs": True, **options}, s_between_pv=True)
+    # V^T in shared memory: the phase-after-phase form at 64 rows, 3 stages of 64-byte rope rows beside its buffers
+    for h, q, options in ((12, 8, {"rows_per_block": 48}), (128, 1, {"s_ahead": True, "num_stages": 4}),
+                          (128, 1, {"pv_behind": 2, "p_planes": 1, "early_rescale": False, "num_stages": 4}),
+                          (128, 1, {"own_chunk_first": True}), (128, 1, {"s_between_pv": True, "num_stages": 4}),
+                          (128, 1, {"num_stages": 4}), (128, 1, {"rope_rows": 128}),
+                          (128, 1, {"chunk_pairs": False, "rope_rows": 128})):
+        with pytest.raises(ValueError, match="vt_smem is a form of"):
+            decode_config(h, q, 64, **{"chunk_pairs": True, **options}, vt_smem=True)
     assert decode_config(12, 4, 32, chunk_pairs=True, q_in_registers=True).s_chains == 2  # two unless asked
     # S a pair ahead waits for the next pair's chunks before it releases this pair's: 3 stages would hang
     with pytest.raises(ValueError, match="s_ahead needs 4 ring stages"):
@@ -451,7 +478,9 @@ QREGS = {"q_in_registers": True}
     (128, 1, 64, 64, 1, {**PAIRS, **DEEP_RING, "s_under_rescale": True, "kv_prefetch": 2}),
     (12, 8, 64, 48, 1, {**PAIRS, **DEEP_RING, **QREGS, "pv_behind": 2}),
     # the second chunk's P.V a dim tile at a time as its V^T loads
-    (12, 8, 32, 48, 1, {**PAIRS, "pv_second_per_tile": True}), (12, 8, 32, 48, 2, {**PAIRS, "pv_second_per_tile": True})])
+    (12, 8, 32, 48, 1, {**PAIRS, "pv_second_per_tile": True}), (12, 8, 32, 48, 2, {**PAIRS, "pv_second_per_tile": True}),
+    # V^T transposed into shared memory under S, beside S's chains and O^T
+    (128, 1, 64, 64, 1, {**PAIRS, "vt_smem": True}), (16, 4, 64, 64, 2, {**PAIRS, "vt_smem": True})])
 def test_no_spills(tmp_path, num_heads, q_len, page_size, rows, planes, options):
     ptxas = ptxas_path()
     assert ptxas, "ptxas (pip install 'cute-mla-fp8[test]' brings it) is needed: the spill check is part of the CPU suite"
@@ -540,6 +569,11 @@ GPU_CASES = [
     (12, 8, 32, 64, True, [8, 9, 100, 1000, 4000, 65], 9, {**ROWS_64, **PAIRS, "s_ahead": True}),
     (64, 1, 64, 64, False, [1, 65, 129, 200, 64, 3, 1000, 4000, 130, 191, 257, 0], 5,
      {**PAIRS, "s_ahead": True, "p_planes": 1}),
+    # V^T in shared memory (vt_smem): two planes, one plane over many segments with odd and even chunk counts and
+    # tails inside a page, 96 rows (the second block half padding)
+    (128, 1, 64, 64, True, [1, 700, 3000, 64], 8, {"vt_smem": True}),
+    (64, 1, 64, 64, False, [1, 65, 129, 200, 64, 3, 1000, 4000, 130, 191, 257, 0], 5, {"vt_smem": True, "p_planes": 1}),
+    (12, 8, 64, 64, True, [8, 9, 100, 1000, 4000, 65], 9, {"vt_smem": True, "p_planes": 1}),
     # 48-row blocks (S's rows padded to 64): two full blocks, one block, 32 rows in a block of 48
     (12, 8, 32, 64, True, [8, 9, 100, 1000, 4000, 65], 9, {**ROWS_48, **PAIRS}),
     (12, 8, 32, 64, True, [8, 9, 100, 1000, 4000, 65], 9, {**ROWS_48, **PAIRS, "s_ahead": True}),
@@ -631,7 +665,8 @@ def _options_id(options) -> str:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("options", [{}, {"p_exp2_fma": 4}, {"pv_behind": 3}, DEEP_RING], ids=_options_id)
+@pytest.mark.parametrize("options", [{}, {"p_exp2_fma": 4}, {"pv_behind": 3}, DEEP_RING, {"vt_smem": True}],
+                         ids=_options_id)
 def test_nan_in_the_kv_reaches_its_rows_gpu(options):
     """A NaN in one token's latent is NaN in every output row and lse of its request (each row's S of that token
     is NaN, and so its p, whichever pipe takes the exp2: `p_exp2_fma=4` takes them all on the FMA pipe), never an
@@ -765,6 +800,20 @@ def test_s_between_pv_changes_no_bit_gpu(num_heads, q_len, page_size, tile_token
     assert between.rows_per_block == 64 and between.s_between_pv
     _assert_launches_agree(phases, between, [1, 700, 3000, 64, 20000, 129, 0, 4100], seed=41, num_ctas=10,
                            tile_tokens=tile_tokens)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_heads,q_len,options", [
+    (128, 1, {}), (16, 4, {}), (64, 1, {"p_planes": 2}), (12, 8, {}), (16, 4, {"early_rescale": False})])
+def test_vt_smem_changes_no_bit_gpu(num_heads, q_len, options):
+    """P.V on V^T that each MMA warpgroup transposed into shared memory under its S (`vt_smem`) multiplies the same
+    bytes in the same order as P.V on V^T in registers: every output and lse bit equals phase after phase's (5 or
+    4 ring stages there, 3 here), over segments of odd and even chunk counts and tails inside a page."""
+    from mla_backend.config import decode_config
+
+    phases, vt = (decode_config(num_heads, q_len, 64, vt_smem=v, **PAIRS, **options) for v in (False, True))
+    assert vt.num_stages == 3 and not phases.vt_smem
+    _assert_launches_agree(phases, vt, [1, 700, 3000, 64, 20000, 129, 0, 4100, 4097, 63], seed=43, num_ctas=10)
 
 
 @pytest.mark.gpu
@@ -963,6 +1012,7 @@ POISON_CASES = [
     (16, 4, 64, 64, [0, 4, 5, 64, 1500, 77, 10779, 238], 24, {**PAIRS, "pv_behind": 3}),  # two pairs' P buffers
     (12, 8, 32, 64, [8, 9, 100, 1000, 4000, 65], 9, {**ROWS_48, **PAIRS, "pv_behind": 2}),
     (16, 4, 64, 64, [0, 4, 5, 64, 1500, 77, 10779, 238], 24, {**PAIRS, **DEEP_RING}),  # the rope's 64-byte rows
+    (16, 4, 64, 64, [0, 4, 5, 64, 1500, 77, 10779, 238], 24, {"vt_smem": True}),  # V^T buffers, a missing c1
     (12, 8, 64, 64, [8, 9, 100, 1000, 4000, 65], 9, {**ROWS_48, **PAIRS, **DEEP_RING, "q_in_registers": True}),
 ]
 
