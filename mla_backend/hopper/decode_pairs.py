@@ -426,14 +426,7 @@ class MLADecodePairsSM90(MLADecodeSM90):
         stage_a = stage0 + first * (stage1 - stage0)
         stage_b = stage1 + first * (stage0 - stage1)
         a0 = self._load_vt(cta.ring_addr + stage_a * self.stage_bytes, cta.wg * 4, cta.wl, cta.lane)
-        if cutlass.const_expr(self.cfg.early_rescale):
-            # the alphas first, past a barrier of this warpgroup alone (its O^T rows are other threads' S rows), so
-            # that O^T's rescale (FMA pipe) runs beside P's exp2 (MUFU) instead of between the P barrier and P.V:
-            # H200, decode alone, 3-5% faster at 64 rows (`config.default_early_rescale`)
-            self._publish_alphas(cta, sAlpha, alpha0, alpha1)
-            cute.arch.barrier(barrier_id=PAIR_WG_BAR + cta.wg, number_of_threads=WARPGROUP)
-            self._rescale_o(acc_O, sAlpha[None, cta.wg], cta.lt, self.cfg.unit_rescale_skip)
-        csum0, csum1 = self._publish_p(cta, acc_S, sPw, sAlpha, use0, use1, alpha0, alpha1)
+        csum0, csum1 = self._rescale_early_publish_p(cta, acc_O, acc_S, sPw, sAlpha, use0, use1, alpha0, alpha1)
         if cutlass.const_expr(self.cfg.own_chunk_first):
             cute.arch.barrier(barrier_id=PAIR_WG_BAR + cta.wg, number_of_threads=WARPGROUP)
         else:
@@ -486,11 +479,7 @@ class MLADecodePairsSM90(MLADecodeSM90):
         rescale and P as in `_pair`, then P.V of both chunks as 16 wgmmas on the V^T buffers, no V^T loads
         between the P barrier and P.V. A missing second chunk: zero P against the first chunk's V^T, as there."""
         lead = cta.tidx % WARPGROUP == 0
-        if cutlass.const_expr(self.cfg.early_rescale):
-            self._publish_alphas(cta, sAlpha, alpha0, alpha1)
-            cute.arch.barrier(barrier_id=PAIR_WG_BAR + cta.wg, number_of_threads=WARPGROUP)
-            self._rescale_o(acc_O, sAlpha[None, cta.wg], cta.lt, self.cfg.unit_rescale_skip)
-        csum0, csum1 = self._publish_p(cta, acc_S, sPw, sAlpha, use0, use1, alpha0, alpha1)
+        csum0, csum1 = self._rescale_early_publish_p(cta, acc_O, acc_S, sPw, sAlpha, use0, use1, alpha0, alpha1)
         self._pass_p_barrier(cta, pr)
         if cutlass.const_expr(not self.cfg.early_rescale):
             self._rescale_o(acc_O, sAlpha[None, cta.wg], cta.lt, self.cfg.unit_rescale_skip)
@@ -508,11 +497,26 @@ class MLADecodePairsSM90(MLADecodeSM90):
         self._stamp(cta, lead, pr, 8 + 8 * cta.wg + 5)  # "P.V issued"
         return new0, new1, l0 * alpha0 + csum0, l1 * alpha1 + csum1
 
+    @cute.jit
+    def _rescale_early_publish_p(self, cta: CTAContext, acc_O: cute.Tensor, acc_S: cute.Tensor, sPw: cute.Tensor,
+                                 sAlpha: cute.Tensor, use0: Float32, use1: Float32, alpha0: Float32, alpha1: Float32):
+        """With `early_rescale` O^T rescaled first, then `_publish_p` (the phase-after-phase forms, before their
+        P barrier). Returns its sums."""
+        if cutlass.const_expr(self.cfg.early_rescale):
+            # the alphas first, past a barrier of this warpgroup alone (its O^T rows are other threads' S rows), so
+            # that O^T's rescale (FMA pipe) runs beside P's exp2 (MUFU) instead of between the P barrier and P.V:
+            # H200, decode alone, 3-5% faster at 64 rows (`config.default_early_rescale`)
+            self._publish_alphas(cta, sAlpha, alpha0, alpha1)
+            cute.arch.barrier(barrier_id=PAIR_WG_BAR + cta.wg, number_of_threads=WARPGROUP)
+            self._rescale_o(acc_O, sAlpha[None, cta.wg], cta.lt, self.cfg.unit_rescale_skip)
+        return self._publish_p(cta, acc_S, sPw, sAlpha, use0, use1, alpha0, alpha1)
+
     def _vt_offset(self, cta: CTAContext, c: int) -> Int32:
         """Bytes from the ring's start to this warpgroup's V^T buffer of a pair's chunk c (after the stages)."""
         return self.cfg.num_stages * self.stage_bytes + (2 * cta.wg + c) * VT_HALF_BYTES
 
     def _vt_addr(self, cta: CTAContext, c: int) -> Int32:
+        """The shared address of this warpgroup's V^T buffer of a pair's chunk c."""
         return cta.ring_addr + self._vt_offset(cta, c)
 
     @cute.jit
