@@ -32,6 +32,7 @@ Three forms (`DecodeConfig.s_ahead`, `DecodeConfig.pv_behind`):
   the tensor cores bound the step: the chain then sits ahead of P.V(c1) (experiments.md). With `vt_smem`
   (research, 64 rows, 3 stages) each warpgroup transposes both chunks in its dims into shared memory while its S
   runs, and P.V reads V^T from there (`_pair_vt_smem`): no V^T registers or loads between the P barrier and P.V;
+  on an H100 4-24% slower, S twice as long beside the transposes' shared-memory traffic (experiments.md).
 - S a pair ahead: S(p + 1)'s first chain (or its only chain, `s_chains=1`) is issued before the softmax of pair
   p and runs under it, P.V(p) runs a chunk at a time (V^T of one chunk, 32 registers, beside that chain; at 48
   rows the second chunk's V^T loads under the first's P.V), and S(p + 1)'s second chain is issued once P.V(p) is
