@@ -13,13 +13,13 @@ others are the whole row (two shuffles). The two warpgroups then exchange their 
 one 256-thread barrier), so that both take the same new max m(p) = max(m(p - 1), max S(2p), max S(2p + 1)) and both
 chunks' P are relative to it; each rescales its O^T once for the pair (alpha = exp2(m(p - 1) - m(p)); the
 alphas published first, past a barrier of the warpgroup alone, so that the rescale's multiplies run beside P's
-exp2: `early_rescale`), writes its chunk's P (e4m3 words, the P.V B operand; P's scale 256 inside the exp2, so the
-sums are in its units until the segment's end) and, after a second barrier, accumulates both chunks into its 256
-dims: V^T of the chunks by
-ldmatrix.trans into registers, 8 (16 with two P planes) wgmmas a chunk. S never goes through shared memory, the
-softmax reads none, and one rescale serves two chunks. Per chunk that moves ~176 KB through shared memory (the KV's
-36 KB landing, S's 72 KB of operands, V^T's 32 KB, P^T's 32 KB as P.V's B operand, P's 4 KB) against ~208 KB in the
-S^T-warpgroup schedule.
+exp2: `early_rescale`; with `pair_rescale_skip`, research, not at all in a pair where no row's max moves, which
+the maxima barrier tells every thread alike), writes its chunk's P (e4m3 words, the P.V B operand; P's scale 256
+inside the exp2, so the sums are in its units until the segment's end) and, after a second barrier, accumulates
+both chunks into its 256 dims: V^T of the chunks by ldmatrix.trans into registers, 8 (16 with two P planes)
+wgmmas a chunk. S never goes through shared memory, the softmax reads none, and one rescale serves two chunks.
+Per chunk that moves ~176 KB through shared memory (the KV's 36 KB landing, S's 72 KB of operands, V^T's 32 KB,
+P^T's 32 KB as P.V's B operand, P's 4 KB) against ~208 KB in the S^T-warpgroup schedule.
 
 Three forms (`DecodeConfig.s_ahead`, `DecodeConfig.pv_behind`):
 - phase after phase (the default of the switch): S(p), the softmax and the exchanges, then P.V of both chunks,
@@ -114,7 +114,7 @@ from .decode_common import CTAContext, MLADecodeSM90
 from .decode_layout import (CHUNK, SOFTMAX_THREADS, WARPGROUP, p_buffer_bytes, p_words_layout, q_bytes,
                             smem_region_bytes, stage_bytes)
 from .decode_mma import VT_HALF_BYTES
-from .ptx import (exp2_fma, fence_operand, fence_proxy_async_smem, quantize_p_e4m3, quantize_p_hi_lo,
+from .ptx import (barrier_any, exp2_fma, fence_operand, fence_proxy_async_smem, quantize_p_e4m3, quantize_p_hi_lo,
                   wgmma_commit, wgmma_fence, wgmma_wait)
 from .softmax import max_tree
 
@@ -411,7 +411,7 @@ class MLADecodePairsSM90(MLADecodeSM90):
         self._stamp(cta, lead, pr, 8 + 8 * cta.wg + 1)  # "S done"
         if cutlass.const_expr(self.cfg.vt_smem):
             self._release_pair_stages(cta, stage0, stage1, has_c1)  # S and the transposes were their readers
-        new0, new1, use0, use1, alpha0, alpha1 = self._exchange_maxima(cta, seg, acc_S, sMax, pr, m0, m1)
+        new0, new1, use0, use1, alpha0, alpha1, moved = self._exchange_maxima(cta, seg, acc_S, sMax, pr, m0, m1)
         # both chunks into this warpgroup's 256 dims (a missing second chunk: zero P against chunk c0's V^T). V^T of
         # the first is loaded here, past the maxima barrier (so both chunks' zeroed tails are visible), to run
         # under P's exp2 and conversions, and the second's under P.V of the first (PAIRS_VT_TILES_UNDER_PV): ldmatrix
@@ -419,7 +419,7 @@ class MLADecodePairsSM90(MLADecodeSM90):
         # P.V, ~900 cycles of a ~4980-cycle pair at H128: experiments.md). The same arithmetic in the same order.
         if cutlass.const_expr(self.cfg.vt_smem):
             return self._pair_vt_smem(cta, seg, acc_O, acc_S, sPw, sAlpha, pr, l0, l1, new0, new1, use0, use1,
-                                      alpha0, alpha1)
+                                      alpha0, alpha1, moved)
         stage0, stage1, has_c1 = self._pair_stages(cta, seg, pr)
         # own_chunk_first (research): this warpgroup's chunk first, whose P and alphas only it wrote, so that its
         # P.V needs no wait for the other warpgroup and runs under the P barrier's wait; else chunk 2p first
@@ -427,7 +427,8 @@ class MLADecodePairsSM90(MLADecodeSM90):
         stage_a = stage0 + first * (stage1 - stage0)
         stage_b = stage1 + first * (stage0 - stage1)
         a0 = self._load_vt(cta.ring_addr + stage_a * self.stage_bytes, cta.wg * 4, cta.wl, cta.lane)
-        csum0, csum1 = self._rescale_early_publish_p(cta, acc_O, acc_S, sPw, sAlpha, use0, use1, alpha0, alpha1)
+        csum0, csum1 = self._rescale_early_publish_p(cta, acc_O, acc_S, sPw, sAlpha, use0, use1, alpha0, alpha1,
+                                                     moved)
         if cutlass.const_expr(self.cfg.own_chunk_first):
             cute.arch.barrier(barrier_id=PAIR_WG_BAR + cta.wg, number_of_threads=WARPGROUP)
         else:
@@ -475,12 +476,13 @@ class MLADecodePairsSM90(MLADecodeSM90):
     @cute.jit
     def _pair_vt_smem(self, cta: CTAContext, seg, acc_O: cute.Tensor, acc_S: cute.Tensor, sPw: cute.Tensor,
                       sAlpha: cute.Tensor, pr: Int32, l0: Float32, l1: Float32, new0: Float32, new1: Float32,
-                      use0: Float32, use1: Float32, alpha0: Float32, alpha1: Float32):
+                      use0: Float32, use1: Float32, alpha0: Float32, alpha1: Float32, moved: Int32):
         """The rest of pair pr with V^T in shared memory (`DecodeConfig.vt_smem`), past the maxima exchange: the
         rescale and P as in `_pair`, then P.V of both chunks as 16 wgmmas on the V^T buffers, no V^T loads
         between the P barrier and P.V. A missing second chunk: zero P against the first chunk's V^T, as there."""
         lead = cta.tidx % WARPGROUP == 0
-        csum0, csum1 = self._rescale_early_publish_p(cta, acc_O, acc_S, sPw, sAlpha, use0, use1, alpha0, alpha1)
+        csum0, csum1 = self._rescale_early_publish_p(cta, acc_O, acc_S, sPw, sAlpha, use0, use1, alpha0, alpha1,
+                                                     moved)
         self._pass_p_barrier(cta, pr)
         if cutlass.const_expr(not self.cfg.early_rescale):
             self._rescale_o(acc_O, sAlpha[None, cta.wg], cta.lt, self.cfg.unit_rescale_skip)
@@ -500,16 +502,38 @@ class MLADecodePairsSM90(MLADecodeSM90):
 
     @cute.jit
     def _rescale_early_publish_p(self, cta: CTAContext, acc_O: cute.Tensor, acc_S: cute.Tensor, sPw: cute.Tensor,
-                                 sAlpha: cute.Tensor, use0: Float32, use1: Float32, alpha0: Float32, alpha1: Float32):
+                                 sAlpha: cute.Tensor, use0: Float32, use1: Float32, alpha0: Float32, alpha1: Float32,
+                                 moved: Int32):
         """With `early_rescale` O^T rescaled first, then `_publish_p` (the phase-after-phase forms, before their
-        P barrier). Returns its sums."""
-        if cutlass.const_expr(self.cfg.early_rescale):
-            # the alphas first, past a barrier of this warpgroup alone (its O^T rows are other threads' S rows), so
-            # that O^T's rescale (FMA pipe) runs beside P's exp2 (MUFU) instead of between the P barrier and P.V:
-            # H200, decode alone, 3-5% faster at 64 rows (`config.default_early_rescale`)
-            self._publish_alphas(cta, sAlpha, alpha0, alpha1)
-            cute.arch.barrier(barrier_id=PAIR_WG_BAR + cta.wg, number_of_threads=WARPGROUP)
-            self._rescale_o(acc_O, sAlpha[None, cta.wg], cta.lt, self.cfg.unit_rescale_skip)
+        P barrier); with `pair_rescale_skip` only where a row's max moves in the pair (moved, the same in every
+        thread: no divergence), else P alone. Returns its sums."""
+        if cutlass.const_expr(self.cfg.pair_rescale_skip):
+            csum0 = Float32(0.0)
+            csum1 = Float32(0.0)
+            if moved != 0:
+                csum0, csum1 = self._rescale_before_publish_p(cta, acc_O, acc_S, sPw, sAlpha, use0, use1, alpha0,
+                                                              alpha1)
+            else:
+                # every alpha is 1 (a max that did not move), or 0 where a row has seen no token, whose O^T is
+                # still the zeros it started as (NaN where its zero P met a NaN V): the rescale would change no bit
+                csum0, csum1 = self._publish_p(cta, acc_S, sPw, sAlpha, use0, use1, alpha0, alpha1)
+            return csum0, csum1
+        elif cutlass.const_expr(self.cfg.early_rescale):
+            return self._rescale_before_publish_p(cta, acc_O, acc_S, sPw, sAlpha, use0, use1, alpha0, alpha1)
+        else:
+            return self._publish_p(cta, acc_S, sPw, sAlpha, use0, use1, alpha0, alpha1)
+
+    @cute.jit
+    def _rescale_before_publish_p(self, cta: CTAContext, acc_O: cute.Tensor, acc_S: cute.Tensor, sPw: cute.Tensor,
+                                  sAlpha: cute.Tensor, use0: Float32, use1: Float32, alpha0: Float32,
+                                  alpha1: Float32):
+        """`early_rescale`: the alphas first, past a barrier of this warpgroup alone (its O^T rows are other
+        threads' S rows), so that O^T's rescale (FMA pipe) runs beside P's exp2 (MUFU) instead of between the P
+        barrier and P.V (H200, decode alone, 3-5% faster at 64 rows: `config.default_early_rescale`); then
+        `_publish_p`. Returns its sums."""
+        self._publish_alphas(cta, sAlpha, alpha0, alpha1)
+        cute.arch.barrier(barrier_id=PAIR_WG_BAR + cta.wg, number_of_threads=WARPGROUP)
+        self._rescale_o(acc_O, sAlpha[None, cta.wg], cta.lt, self.cfg.unit_rescale_skip)
         return self._publish_p(cta, acc_S, sPw, sAlpha, use0, use1, alpha0, alpha1)
 
     def _vt_offset(self, cta: CTAContext, c: int) -> Int32:
@@ -612,7 +636,7 @@ class MLADecodePairsSM90(MLADecodeSM90):
             pending = self._pending_pv(cta, seg, pr - 1)
             for u in cutlass.range_constexpr(PV_UNITS_BEFORE_MAXIMA):
                 self._pv_behind_unit(cta, acc_O, pending, u)
-        new0, new1, use0, use1, alpha0, alpha1 = self._exchange_maxima(cta, seg, acc_S, sMax, pr, m0, m1)
+        new0, new1, use0, use1, alpha0, alpha1, moved = self._exchange_maxima(cta, seg, acc_S, sMax, pr, m0, m1)
         self._publish_alphas(cta, sAlpha, alpha0, alpha1)
         # the rest between P's words: after word i, unit i + PV_UNITS_BEFORE_MAXIMA. S's padding rows (48-row
         # blocks) compute their (zero) P without storing it, so that every warp issues the same wgmmas
@@ -776,7 +800,7 @@ class MLADecodePairsSM90(MLADecodeSM90):
                       sAlpha: cute.Tensor, pr: Int32, m0: Float32, m1: Float32):
         """The softmax of this warpgroup's chunk of pair pr: `_exchange_maxima`, then `_publish_p`. Returns the
         rows' new maxima, alphas and this thread's sums of their p."""
-        new0, new1, use0, use1, alpha0, alpha1 = self._exchange_maxima(cta, seg, acc_S, sMax, pr, m0, m1)
+        new0, new1, use0, use1, alpha0, alpha1, moved = self._exchange_maxima(cta, seg, acc_S, sMax, pr, m0, m1)
         csum0, csum1 = self._publish_p(cta, acc_S, sPw, sAlpha, use0, use1, alpha0, alpha1)
         self._pass_p_barrier(cta, pr)
         return new0, new1, alpha0, alpha1, csum0, csum1
@@ -788,7 +812,8 @@ class MLADecodePairsSM90(MLADecodeSM90):
         (row r0, token 8i + 2lt + e), acc_S[4i + 2 + e] = (row r0 + 8, same token)): masking, the rows' chunk
         maxima, their exchange with the other warpgroup (ends past the maxima barrier). S's padding rows (48-row
         blocks) store no maxima. Returns the rows' new maxima, the maxima P is taken against (0 for a row that has
-        seen no token) and the alphas."""
+        seen no token), the alphas, and with `pair_rescale_skip` whether any row's max moves in the pair (the
+        same in every thread of both warpgroups; else 1)."""
         C = CHUNK
         wg, lt = cta.wg, cta.lt
         r0 = 16 * cta.wl + cta.lg
@@ -809,7 +834,19 @@ class MLADecodePairsSM90(MLADecodeSM90):
         if lt == 0 and block_rows:
             sMax[r0, wg] = cmax0
             sMax[r0 + 8, wg] = cmax1
-        cute.arch.barrier(barrier_id=PAIR_MAX_BAR, number_of_threads=SOFTMAX_THREADS)
+        moved = Int32(1)
+        if cutlass.const_expr(self.cfg.pair_rescale_skip):
+            # a row's max moves in this pair iff one of the warpgroups' chunk maxima passes it, which a thread of
+            # each holding the row sees (m0, m1 are both warpgroups' running maxima; a NaN chunk max moves none, as
+            # fmax drops it below)
+            mine = Int32(0)
+            if cmax0 > m0:
+                mine = Int32(1)
+            if cmax1 > m1:
+                mine = Int32(1)
+            moved = barrier_any(PAIR_MAX_BAR, SOFTMAX_THREADS, mine)
+        else:
+            cute.arch.barrier(barrier_id=PAIR_MAX_BAR, number_of_threads=SOFTMAX_THREADS)
         self._stamp(cta, lead, pr, 8 + 8 * wg + 2)  # "maxima passed"
         other0 = -Float32.inf
         other1 = -Float32.inf
@@ -827,7 +864,7 @@ class MLADecodePairsSM90(MLADecodeSM90):
             use1 = Float32(0.0)
         alpha0 = cute.math.exp2(m0 - use0, fastmath=True)
         alpha1 = cute.math.exp2(m1 - use1, fastmath=True)
-        return new0, new1, use0, use1, alpha0, alpha1
+        return new0, new1, use0, use1, alpha0, alpha1, moved
 
     @cute.jit
     def _publish_p(self, cta: CTAContext, acc_S: cute.Tensor, sPw: cute.Tensor, sAlpha: cute.Tensor, use0: Float32,

@@ -16,6 +16,7 @@ kernel addresses its FP8 tiles itself and uses these primitives:
 - `exp2_fma`: 2^x by a polynomial on the FMA pipe, for P values taken off MUFU (`DecodeConfig.p_exp2_fma`).
 - `cp_async_16_l2_128`: a 16-byte cp.async with the L2::128B prefetch hint, which CuTe's copy atom cannot express;
   `prefetch_l2_bulk`: a bulk prefetch of global bytes into L2 (`DecodeConfig.kv_prefetch`).
+- `barrier_any`: a named barrier that also ORs a predicate over the threads that pass it.
 - `sm_clock` / `store_global_u32`: the SM's cycle counter and a plain global store, for the timeline builds of the
   decode (config.DecodeConfig.timeline); `store_shared_v2_f32`: an 8-byte shared store of two floats.
 
@@ -362,6 +363,19 @@ def wgmma_rs_e4m3(a, b_addr, b_lbo: int, b_sbo: int, acc, *, b_swizzle128: bool 
     constraints = ",".join(["=f"] * n_acc + ["r"] * 5 + [str(i) for i in range(n_acc)])
     res = _asm(_struct(n_acc, T.f32()), operands, asm, constraints, True, loc, ip)
     return [Float32(llvm.extractvalue(T.f32(), res, [i], loc=loc, ip=ip)) for i in range(n_acc)]
+
+
+@dsl_user_op
+def barrier_any(barrier_id: int, num_threads: int, pred, *, loc=None, ip=None):
+    """bar.red.or.pred on named barrier barrier_id of num_threads threads: a barrier that also returns, in every
+    participating thread, 1 if pred (an Int32) is nonzero in any of them, else 0."""
+    return Int32(_asm(
+        T.i32(), [Int32(pred).ir_value(loc=loc, ip=ip)],
+        "{\n.reg .pred p, q;\n"
+        "setp.ne.s32 q, $1, 0;\n"
+        f"bar.red.or.pred p, {barrier_id}, {num_threads}, q;\n"
+        "selp.s32 $0, 1, 0, p;\n}",
+        "=r,r", True, loc, ip))
 
 
 @dsl_user_op

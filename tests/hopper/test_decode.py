@@ -349,6 +349,13 @@ def test_chunk_pairs_is_checked():
                           (128, 1, {"chunk_pairs": False, "rope_rows": 128})):
         with pytest.raises(ValueError, match="vt_smem is a form of"):
             decode_config(h, q, 64, **{"chunk_pairs": True, **options}, vt_smem=True)
+    # the rescale skipped by both warpgroups where no row's max moves: a form of the rescale beside P's exp2
+    for h, q, options in ((128, 1, {"early_rescale": False}), (128, 1, {"chunk_pairs": False}),
+                          (128, 1, {"p_planes": 2}), (128, 1, {"s_ahead": True, "num_stages": 4}),
+                          (128, 1, {"unit_rescale_skip": True})):
+        with pytest.raises(ValueError, match="pair_rescale_skip is a form of early_rescale"):
+            decode_config(h, q, 64, **options, pair_rescale_skip=True)
+    assert decode_config(128, 1, 64, pair_rescale_skip=True).early_rescale
     assert decode_config(12, 4, 32, chunk_pairs=True, q_in_registers=True).s_chains == 2  # two unless asked
     # S a pair ahead waits for the next pair's chunks before it releases this pair's: 3 stages would hang
     with pytest.raises(ValueError, match="s_ahead needs 4 ring stages"):
@@ -480,7 +487,9 @@ QREGS = {"q_in_registers": True}
     # the second chunk's P.V a dim tile at a time as its V^T loads
     (12, 8, 32, 48, 1, {**PAIRS, "pv_second_per_tile": True}), (12, 8, 32, 48, 2, {**PAIRS, "pv_second_per_tile": True}),
     # V^T transposed into shared memory under S, beside S's chains and O^T
-    (128, 1, 64, 64, 1, {**PAIRS, "vt_smem": True}), (16, 4, 64, 64, 2, {**PAIRS, "vt_smem": True})])
+    (128, 1, 64, 64, 1, {**PAIRS, "vt_smem": True}), (16, 4, 64, 64, 2, {**PAIRS, "vt_smem": True}),
+    # the O^T rescale skipped by both warpgroups where no row's max moves: two copies of P's code, one beside it
+    (128, 1, 64, 64, 1, {"pair_rescale_skip": True}), (12, 8, 64, 64, 1, {"pair_rescale_skip": True})])
 def test_no_spills(tmp_path, num_heads, q_len, page_size, rows, planes, options):
     ptxas = ptxas_path()
     assert ptxas, "ptxas (pip install 'cute-mla-fp8[test]' brings it) is needed: the spill check is part of the CPU suite"
@@ -574,6 +583,10 @@ GPU_CASES = [
     (128, 1, 64, 64, True, [1, 700, 3000, 64], 8, {"vt_smem": True}),
     (64, 1, 64, 64, False, [1, 65, 129, 200, 64, 3, 1000, 4000, 130, 191, 257, 0], 5, {"vt_smem": True, "p_planes": 1}),
     (12, 8, 64, 64, True, [8, 9, 100, 1000, 4000, 65], 9, {"vt_smem": True, "p_planes": 1}),
+    # the O^T rescale skipped where no row's max moves in a pair (pair_rescale_skip)
+    (64, 1, 64, 64, False, [1, 65, 129, 200, 64, 3, 1000, 4000, 130, 191, 257, 0], 5,
+     {"pair_rescale_skip": True, "p_planes": 1}),
+    (16, 4, 64, 32, True, [4, 5, 64, 1500, 77], 9, {"pair_rescale_skip": True, "p_planes": 1}),
     # 48-row blocks (S's rows padded to 64): two full blocks, one block, 32 rows in a block of 48
     (12, 8, 32, 64, True, [8, 9, 100, 1000, 4000, 65], 9, {**ROWS_48, **PAIRS}),
     (12, 8, 32, 64, True, [8, 9, 100, 1000, 4000, 65], 9, {**ROWS_48, **PAIRS, "s_ahead": True}),
@@ -640,9 +653,10 @@ def _decode_merged(cfg, q, kv, bt, seq, softmax_scale, qs, ks, plan):
     return merge_decode_outputs(plan, *_decode_launch(cfg, q, kv, bt, seq, softmax_scale, qs, ks, plan), ks)
 
 
-def _assert_launches_agree(first, second, lengths, seed, num_ctas, tile_tokens=None):
+def _assert_launches_agree(first, second, lengths, seed, num_ctas, tile_tokens=None, q_scale=None):
     """`first` and `second` (decode configurations of one shape) launched on the same inputs and plan: every
-    output, lse and partial bit the same, NaN in the same places."""
+    output, lse and partial bit the same, NaN in the same places. q_scale (a number) replaces the inputs' query
+    scale: 0 makes every score 0, so that no row's max moves past each segment's first chunk."""
     sys.path.insert(0, os.path.join(REPO, "tests"))
     from mla_inputs import make_decode_inputs
 
@@ -652,6 +666,8 @@ def _assert_launches_agree(first, second, lengths, seed, num_ctas, tile_tokens=N
     assert (second.num_heads, second.q_len, second.page_size) == (num_heads, q_len, page_size)
     q, kv, bt, seq, qs, ks = make_decode_inputs(lengths, q_len=q_len, num_heads=num_heads, page_size=page_size,
                                                 device="cuda", seed=seed)
+    if q_scale is not None:
+        qs = torch.full_like(qs, q_scale)
     plan = plan_splits(seq, q_len=q_len, num_heads=num_heads, page_size=page_size, tile_tokens=tile_tokens,
                        num_ctas=num_ctas)
     for a, b in zip(_decode_launch(first, q, kv, bt, seq, 576 ** -0.5, qs, ks, plan),
@@ -665,8 +681,8 @@ def _options_id(options) -> str:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("options", [{}, {"p_exp2_fma": 4}, {"pv_behind": 3}, DEEP_RING, {"vt_smem": True}],
-                         ids=_options_id)
+@pytest.mark.parametrize("options", [{}, {"p_exp2_fma": 4}, {"pv_behind": 3}, DEEP_RING, {"vt_smem": True},
+                                     {"pair_rescale_skip": True}], ids=_options_id)
 def test_nan_in_the_kv_reaches_its_rows_gpu(options):
     """A NaN in one token's latent is NaN in every output row and lse of its request (each row's S of that token
     is NaN, and so its p, whichever pipe takes the exp2: `p_exp2_fma=4` takes them all on the FMA pipe), never an
@@ -814,6 +830,24 @@ def test_vt_smem_changes_no_bit_gpu(num_heads, q_len, options):
     phases, vt = (decode_config(num_heads, q_len, 64, vt_smem=v, **PAIRS, **options) for v in (False, True))
     assert vt.num_stages == 3 and not phases.vt_smem
     _assert_launches_agree(phases, vt, [1, 700, 3000, 64, 20000, 129, 0, 4100, 4097, 63], seed=43, num_ctas=10)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_heads,q_len,options", [
+    (128, 1, {}), (16, 4, {}), (64, 1, {"num_stages": 4, "rope_rows": 128}), (12, 8, {"rows_per_block": 64}),
+    (12, 8, {**ROWS_48, **PAIRS, "p_planes": 1})])
+@pytest.mark.parametrize("q_scale", [None, 0.0])
+def test_pair_rescale_skip_changes_no_bit_gpu(num_heads, q_len, options, q_scale):
+    """Skipping O^T's rescale in the pairs where no row's max moves (`pair_rescale_skip`) changes no bit of any
+    output or lse: there every alpha is 1, or 0 on a row that has seen no token and whose O^T is still 0. On random
+    scores both branches run (the max moves less often along a segment); with every score 0 (q_scale 0) the
+    max moves in a segment's first pair only."""
+    from mla_backend.config import decode_config
+
+    every, skipping = (decode_config(num_heads, q_len, 64, pair_rescale_skip=v, **options) for v in (False, True))
+    assert skipping.pair_rescale_skip and skipping.early_rescale and not every.pair_rescale_skip
+    _assert_launches_agree(every, skipping, [1, 700, 3000, 64, 20000, 129, 0, 4100, 4097, 63], seed=47,
+                           num_ctas=10, q_scale=q_scale)
 
 
 @pytest.mark.gpu
@@ -1013,6 +1047,7 @@ POISON_CASES = [
     (12, 8, 32, 64, [8, 9, 100, 1000, 4000, 65], 9, {**ROWS_48, **PAIRS, "pv_behind": 2}),
     (16, 4, 64, 64, [0, 4, 5, 64, 1500, 77, 10779, 238], 24, {**PAIRS, **DEEP_RING}),  # the rope's 64-byte rows
     (16, 4, 64, 64, [0, 4, 5, 64, 1500, 77, 10779, 238], 24, {"vt_smem": True}),  # V^T buffers, a missing c1
+    (16, 4, 64, 64, [0, 4, 5, 64, 1500, 77, 10779, 238], 24, {"pair_rescale_skip": True}),  # stale alphas
     (12, 8, 64, 64, [8, 9, 100, 1000, 4000, 65], 9, {**ROWS_48, **PAIRS, **DEEP_RING, "q_in_registers": True}),
 ]
 
