@@ -70,7 +70,7 @@ def sass_loops(sass: str):
 
 
 # where a warp waits: a CTA or named barrier, a wgmma wait, an mbarrier wait
-_WAITS = ("BAR.SYNC", "WARPGROUP.DEPBAR", "SYNCS.PHASECHK")
+_WAITS = ("BAR.SYNC", "BAR.RED", "WARPGROUP.DEPBAR", "SYNCS.PHASECHK")  # BAR.RED: a barrier that also reduces
 
 
 def loop_windows(sass: str, first: int, last: int):

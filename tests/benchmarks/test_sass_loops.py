@@ -45,18 +45,21 @@ WAITS = """
         /*0170*/                   FMUL R201, R201, R16 ;
         /*0180*/              @!P3 SYNCS.PHASECHK.TRANS64.TRYWAIT P3, [UR29+0x38900], R17 ;
         /*0190*/                   FADD R1, R2, R3 ;
-        /*01a0*/               @P1 BRA `(.L_x_7) ;
+        /*01a0*/                   BAR.RED.OR.DEFER_BLOCKING 0x1, 0x100, P1 ;
+        /*01b0*/               @P1 BRA `(.L_x_7) ;
 """
 
 
 def test_a_loop_is_cut_after_each_wait():
     loops = sass_loops.sass_loops(WAITS)
-    assert [(first, last, count) for first, last, count, _ in loops] == [(0x100, 0x1A0, 11)]
-    windows = sass_loops.loop_windows(WAITS, 0x100, 0x1A0)
+    assert [(first, last, count) for first, last, count, _ in loops] == [(0x100, 0x1B0, 12)]
+    windows = sass_loops.loop_windows(WAITS, 0x100, 0x1B0)
     assert [(wait.split()[0], n) for wait, n, _ in windows] == [
-        ("WARPGROUP.DEPBAR.LE", 2), ("BAR.SYNC.DEFER_BLOCKING", 3), ("@!P3", 4), ("back", 2)]
+        ("WARPGROUP.DEPBAR.LE", 2), ("BAR.SYNC.DEFER_BLOCKING", 3), ("@!P3", 4), ("BAR.RED.OR.DEFER_BLOCKING", 2),
+        ("back", 1)]
     assert windows[2][2] == {"MUFU": 1, "FMUL": 2, "SYNCS": 1}  # a predicated wait ends its window too
-    assert windows[3][2] == {"FADD": 1, "BRA": 1}
+    assert windows[3][2] == {"FADD": 1, "BAR": 1}  # a barrier that reduces (`ptx.barrier_any`) waits too
+    assert windows[4][2] == {"BRA": 1}
     # instructions outside the loop's addresses are not counted
     assert sum(n for _, n, _ in sass_loops.loop_windows(WAITS, 0x120, 0x160)) == 5
 
