@@ -636,7 +636,7 @@ class MLADecodePairsSM90(MLADecodeSM90):
             pending = self._pending_pv(cta, seg, pr - 1)
             for u in cutlass.range_constexpr(PV_UNITS_BEFORE_MAXIMA):
                 self._pv_behind_unit(cta, acc_O, pending, u)
-        new0, new1, use0, use1, alpha0, alpha1, moved = self._exchange_maxima(cta, seg, acc_S, sMax, pr, m0, m1)
+        new0, new1, use0, use1, alpha0, alpha1, _ = self._exchange_maxima(cta, seg, acc_S, sMax, pr, m0, m1)
         self._publish_alphas(cta, sAlpha, alpha0, alpha1)
         # the rest between P's words: after word i, unit i + PV_UNITS_BEFORE_MAXIMA. S's padding rows (48-row
         # blocks) compute their (zero) P without storing it, so that every warp issues the same wgmmas
@@ -800,7 +800,7 @@ class MLADecodePairsSM90(MLADecodeSM90):
                       sAlpha: cute.Tensor, pr: Int32, m0: Float32, m1: Float32):
         """The softmax of this warpgroup's chunk of pair pr: `_exchange_maxima`, then `_publish_p`. Returns the
         rows' new maxima, alphas and this thread's sums of their p."""
-        new0, new1, use0, use1, alpha0, alpha1, moved = self._exchange_maxima(cta, seg, acc_S, sMax, pr, m0, m1)
+        new0, new1, use0, use1, alpha0, alpha1, _ = self._exchange_maxima(cta, seg, acc_S, sMax, pr, m0, m1)
         csum0, csum1 = self._publish_p(cta, acc_S, sPw, sAlpha, use0, use1, alpha0, alpha1)
         self._pass_p_barrier(cta, pr)
         return new0, new1, alpha0, alpha1, csum0, csum1
