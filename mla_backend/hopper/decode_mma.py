@@ -45,34 +45,40 @@ class DecodeMMA:
         by a constant (`ptx.smem_desc_lo`), for a caller whose k_base and q_addr are warp-uniform. With
         `DecodeConfig.rope_rows` 64 the rope's k32 steps (16 and 17) read both operands in the 64B swizzle. (A
         research build without S issues no wgmma.)"""
-        C = CHUNK
-        ROWS = self.rows
-        n_acc = (C if rows_as_m else ROWS) // 2
         k_lo = smem_desc_lo(k_base) if stepped_descriptors else None
         q_lo = smem_desc_lo(q_addr) if stepped_descriptors else None
         wgmma_fence()
         for kk in cutlass.range_constexpr(ksteps if self.cfg.runs("s") else 0):
-            ks = k0 + kk
-            kb = ks // 4
-            koff = (ks % 4) * 32
-            accumulate = 0 if kk == 0 and from_zero else 1
-            # the rope's block (kb 4) at the same offset either way: the latent's 4 blocks x rows x 128 bytes. Its
-            # swizzle picks the descriptor at trace time, so the steps must be Python ints there
-            assert self.cfg.rope_rows == 128 or isinstance(ks, int), "rope_rows 64 needs S's k32 steps at trace time"
-            rope64 = self.cfg.rope_rows == 64 and kb == LATENT_BLOCKS
-            if cutlass.const_expr(stepped_descriptors):
-                k_desc = k_lo + ((kb * (C * 128) + koff) >> 4)
-                q_desc = q_lo + ((kb * (self.q_rows * 128) + koff) >> 4)  # Q's blocks: its buffer's rows x 128 B
-                d = wgmma_ss_e4m3_desc(q_desc if rows_as_m else k_desc, k_desc if rows_as_m else q_desc,
-                                       [acc_S[i] for i in range(n_acc)], accumulate, swizzle64=rope64)
-            else:
-                k_addr = k_base + kb * (C * 128) + koff
-                q_step = q_addr + kb * (self.q_rows * 128) + koff  # Q's blocks are its buffer's rows x 128 bytes
-                d = wgmma_ss_e4m3(q_step if rows_as_m else k_addr, k_addr if rows_as_m else q_step,
-                                  [acc_S[i] for i in range(n_acc)], accumulate, swizzle64=rope64)
-            for i in cutlass.range_constexpr(n_acc):
-                acc_S[i] = d[i]
+            self._issue_s_step(acc_S, k_base, q_addr, k_lo, q_lo, k0 + kk, 0 if kk == 0 and from_zero else 1,
+                               rows_as_m, stepped_descriptors)
         wgmma_commit()
+
+    @cute.jit
+    def _issue_s_step(self, acc_S: cute.Tensor, k_base: Int32, q_addr: Int32, k_lo, q_lo, ks,
+                      accumulate: cutlass.Constexpr, rows_as_m: cutlass.Constexpr,
+                      stepped_descriptors: cutlass.Constexpr):
+        """One wgmma of `_issue_s`: k32 step ks into acc_S (onto it where accumulate is 1); k_lo / q_lo are the
+        operands' stepped descriptor words (stepped_descriptors) or None."""
+        C = CHUNK
+        n_acc = (C if rows_as_m else self.rows) // 2
+        kb = ks // 4
+        koff = (ks % 4) * 32
+        # the rope's block (kb 4) at the same offset either way: the latent's 4 blocks x rows x 128 bytes. Its
+        # swizzle picks the descriptor at trace time, so the steps must be Python ints there
+        assert self.cfg.rope_rows == 128 or isinstance(ks, int), "rope_rows 64 needs S's k32 steps at trace time"
+        rope64 = self.cfg.rope_rows == 64 and kb == LATENT_BLOCKS
+        if cutlass.const_expr(stepped_descriptors):
+            k_desc = k_lo + ((kb * (C * 128) + koff) >> 4)
+            q_desc = q_lo + ((kb * (self.q_rows * 128) + koff) >> 4)  # Q's blocks: its buffer's rows x 128 B
+            d = wgmma_ss_e4m3_desc(q_desc if rows_as_m else k_desc, k_desc if rows_as_m else q_desc,
+                                   [acc_S[i] for i in range(n_acc)], accumulate, swizzle64=rope64)
+        else:
+            k_addr = k_base + kb * (C * 128) + koff
+            q_step = q_addr + kb * (self.q_rows * 128) + koff  # Q's blocks are its buffer's rows x 128 bytes
+            d = wgmma_ss_e4m3(q_step if rows_as_m else k_addr, k_addr if rows_as_m else q_step,
+                              [acc_S[i] for i in range(n_acc)], accumulate, swizzle64=rope64)
+        for i in cutlass.range_constexpr(n_acc):
+            acc_S[i] = d[i]
 
     @cute.jit
     def _wait_mma(self, acc: cute.Tensor):

@@ -297,6 +297,16 @@ class MLADecodePairsSM90(MLADecodeSM90):
         # descriptors) takes uniform registers (module docstring, issue slots); here only: in the opening, before
         # the roles part, it makes ptxas spill in the load warpgroup's 40 registers
         cta = CTAContext(**dict(cta.__dict__, wg=cute.arch.make_warp_uniform(cta.wg)))
+        self._mma_roles(cta, g, g_end, b)
+
+    @cute.jit
+    def _mma_roles(self, cta: CTAContext, g: Int32, g_end: Int32, b: Int32):
+        """Both MMA warpgroups run the same code (role 0); `decode_pairs_stagger` gives each a role of its own."""
+        self._mma_segments(cta, g, g_end, b, 0)
+
+    @cute.jit
+    def _mma_segments(self, cta: CTAContext, g: Int32, g_end: Int32, b: Int32, role: cutlass.Constexpr):
+        """An MMA warpgroup's segments of the CTA: each one's pairs (`_pair` or a form's), then its rows."""
         ROWS = self.rows
         NA = ROWS // 2
         NT = self.num_threads
@@ -374,7 +384,7 @@ class MLADecodePairsSM90(MLADecodeSM90):
             else:
                 for pr in range(n_pairs):
                     m0, m1, l0, l1 = self._pair(cta, seg, acc_O, acc_S, acc_A, acc_B, q_regs, sPw, sMax, sAlpha,
-                                                pr, m0, m1, l0, l1)
+                                                pr, m0, m1, l0, l1, None, role)
             cute.arch.barrier()  # segment end: every S of the segment is done, sQ may be refilled
             self._wait_mma(acc_O)
             self._end_segment(cta, acc_O, sSum, m0, m1, l0, l1, b, split, slot)
@@ -385,7 +395,8 @@ class MLADecodePairsSM90(MLADecodeSM90):
     @cute.jit
     def _pair(self, cta: CTAContext, seg, acc_O: cute.Tensor, acc_S: cute.Tensor, acc_A: cute.Tensor,
               acc_B: cute.Tensor, q_regs: cute.Tensor, sPw: cute.Tensor, sMax: cute.Tensor, sAlpha: cute.Tensor,
-              pr: Int32, m0: Float32, m1: Float32, l0: Float32, l1: Float32, k_cur=None):
+              pr: Int32, m0: Float32, m1: Float32, l0: Float32, l1: Float32, k_cur=None,
+              role: cutlass.Constexpr = 0):
         """Pair pr of the segment, one phase after the other: S and the softmax of this warpgroup's chunk, the
         maxima exchange, P, then P.V of both chunks into this warpgroup's dims (module docstring). Returns the
         rows' new maxima and this thread's shares of their sums; with `s_between_pv` (S's first chain of this
@@ -730,10 +741,11 @@ class MLADecodePairsSM90(MLADecodeSM90):
                 self._stamp(cta, cta.tidx % WARPGROUP == 0, pending.stamp_pair, 8 + 8 * cta.wg + 5)  # "P.V issued"
 
     @cute.jit
-    def _own_chunk_k_base(self, cta: CTAContext, seg, c: Int32) -> Int32:
+    def _own_chunk_k_base(self, cta: CTAContext, seg, c: Int32, zero_tail: cutlass.Constexpr = True) -> Int32:
         """The shared address S reads this warpgroup's chunk c of the segment from (its B operand): the chunk's
-        ring stage once it landed, its tail past the segment's end zeroed; for a chunk past the segment's end Q's
-        own rows (same layout; the S is masked whole), which nothing rewrites within the segment."""
+        ring stage once it landed, its tail past the segment's end zeroed (unless zero_tail is false: another
+        warpgroup zeroes it); for a chunk past the segment's end Q's own rows (same layout; the S is masked
+        whole), which nothing rewrites within the segment."""
         C = CHUNK
         NS = self.cfg.num_stages
         bars = cta.storage.kv_full.data_ptr()
@@ -742,13 +754,14 @@ class MLADecodePairsSM90(MLADecodeSM90):
             v = seg.done + c
             stage = v % NS
             cute.arch.mbarrier_wait(bars + stage, (v // NS) % 2)
-            n_valid = seg.tok_end - (seg.tok_begin + c * C)
-            if n_valid < C:
-                # the segment's last chunk ends inside a loaded page: zero the rest before S and V^T read it
-                self._zero_tail_tokens(cta.sRing, cta.zero16, n_valid, stage, cta.tidx % WARPGROUP, WARPGROUP,
-                                       cta.sRingRope)
-                fence_proxy_async_smem()
-                cute.arch.barrier(barrier_id=PAIR_WG_BAR + cta.wg, number_of_threads=WARPGROUP)
+            if cutlass.const_expr(zero_tail):
+                n_valid = seg.tok_end - (seg.tok_begin + c * C)
+                if n_valid < C:
+                    # the segment's last chunk ends inside a loaded page: zero the rest before S and V^T read it
+                    self._zero_tail_tokens(cta.sRing, cta.zero16, n_valid, stage, cta.tidx % WARPGROUP, WARPGROUP,
+                                           cta.sRingRope)
+                    fence_proxy_async_smem()
+                    cute.arch.barrier(barrier_id=PAIR_WG_BAR + cta.wg, number_of_threads=WARPGROUP)
             k_base = cta.ring_addr + stage * self.stage_bytes
         return k_base
 
@@ -814,22 +827,10 @@ class MLADecodePairsSM90(MLADecodeSM90):
         blocks) store no maxima. Returns the rows' new maxima, the maxima P is taken against (0 for a row that has
         seen no token), the alphas, and with `pair_rescale_skip` whether any row's max moves in the pair (the
         same in every thread of both warpgroups; else 1)."""
-        C = CHUNK
         wg, lt = cta.wg, cta.lt
         r0 = 16 * cta.wl + cta.lg
         lead = cta.tidx % WARPGROUP == 0
-        tok0 = seg.tok_begin + (2 * pr + wg) * C  # past the segment's end: every token masked
-        cmax0 = -Float32.inf
-        cmax1 = -Float32.inf
-        # both rows see the whole chunk (all chunks but a segment's last and the causal edge): no compares
-        if tok0 + C <= cutlass.min(seg.row_end0, seg.row_end1):
-            cmax0, cmax1 = self._mask_max(cta, acc_S, tok0, None)
-        else:
-            cmax0, cmax1 = self._mask_max(cta, acc_S, tok0, seg)
-        # the rows' maxima in base 2: rounding is monotone, so max(s) x scale_log2 is the max of the s x scale_log2
-        # (scale_log2 > 0), with 2 multiplies a row instead of 16 (`_write_p` scales inside its FMA)
-        cmax0 = self._row_allreduce(cmax0, True, QUAD) * cta.scale_log2
-        cmax1 = self._row_allreduce(cmax1, True, QUAD) * cta.scale_log2
+        cmax0, cmax1 = self._chunk_maxima(cta, seg, acc_S, 2 * pr + wg)
         block_rows = self._block_rows(cta)  # else S's padding rows: no maxima, P or alphas of theirs are stored
         if lt == 0 and block_rows:
             sMax[r0, wg] = cmax0
@@ -856,15 +857,40 @@ class MLADecodePairsSM90(MLADecodeSM90):
         # both warpgroups take the same max (fmax is exact and commutative)
         new0 = cute.arch.fmax(m0, cute.arch.fmax(cmax0, other0))
         new1 = cute.arch.fmax(m1, cute.arch.fmax(cmax1, other1))
+        use0, use1, alpha0, alpha1 = self._reference_maxima(m0, m1, new0, new1)
+        return new0, new1, use0, use1, alpha0, alpha1, moved
+
+    @cute.jit
+    def _reference_maxima(self, old0: Float32, old1: Float32, new0: Float32, new1: Float32):
+        """The maxima P is taken against (0 for a row that has seen no token) and the factors exp2(old - new)
+        that move O^T and the sums from the old maxima to them (0 while old is -inf: O^T is still 0)."""
         use0 = new0
         use1 = new1
         if new0 == -Float32.inf:
             use0 = Float32(0.0)
         if new1 == -Float32.inf:
             use1 = Float32(0.0)
-        alpha0 = cute.math.exp2(m0 - use0, fastmath=True)
-        alpha1 = cute.math.exp2(m1 - use1, fastmath=True)
-        return new0, new1, use0, use1, alpha0, alpha1, moved
+        return (use0, use1, cute.math.exp2(old0 - use0, fastmath=True),
+                cute.math.exp2(old1 - use1, fastmath=True))
+
+    @cute.jit
+    def _chunk_maxima(self, cta: CTAContext, seg, acc_S: cute.Tensor, c: Int32):
+        """S of the segment's chunk c (in acc_S) masked past each row's end, and this thread's two rows' maxima
+        over the chunk, in base 2."""
+        C = CHUNK
+        tok0 = seg.tok_begin + c * C  # past the segment's end: every token masked
+        cmax0 = -Float32.inf
+        cmax1 = -Float32.inf
+        # both rows see the whole chunk (all chunks but a segment's last and the causal edge): no compares
+        if tok0 + C <= cutlass.min(seg.row_end0, seg.row_end1):
+            cmax0, cmax1 = self._mask_max(cta, acc_S, tok0, None)
+        else:
+            cmax0, cmax1 = self._mask_max(cta, acc_S, tok0, seg)
+        # the rows' maxima in base 2: rounding is monotone, so max(s) x scale_log2 is the max of the s x scale_log2
+        # (scale_log2 > 0), with 2 multiplies a row instead of 16 (`_write_p` scales inside its FMA)
+        cmax0 = self._row_allreduce(cmax0, True, QUAD) * cta.scale_log2
+        cmax1 = self._row_allreduce(cmax1, True, QUAD) * cta.scale_log2
+        return cmax0, cmax1
 
     @cute.jit
     def _publish_p(self, cta: CTAContext, acc_S: cute.Tensor, sPw: cute.Tensor, sAlpha: cute.Tensor, use0: Float32,
