@@ -56,6 +56,27 @@ P_EVENTS = ["S_FULL passed", "softmax done", "P.V(ci-1) done", "V^T loaded", "P 
 # warpgroups 8 + 8 wg + k per pair (a "chunk" of the stamps is a pair there)
 S_EVENTS["pairs"] = ["stage read", "boxes issued"]
 P_EVENTS_OF = {"pairs": ["chunk landed", "S done", "maxima passed", "P barrier passed", "V^T loaded", "P.V issued"]}
+# the same slots with the warpgroups a phase apart (hopper/decode_pairs_stagger.py): "maxima passed" is the
+# leader's maxima published / the follower's past them, "P barrier passed" P of the own chunk written (and the
+# leader's, for the follower), "V^T loaded" the second chunk's
+S_EVENTS["pairs_stagger"] = S_EVENTS["pairs"]
+P_EVENTS_OF["pairs_stagger"] = P_EVENTS_OF["pairs"]
+
+
+def pair_offsets(stamps, events, first: int = 4):
+    """Median cycles from warpgroup 0's first event of a pair to each event of both MMA warpgroups in it
+    ({"wg0: event" or "wg1: event": cycles}), over pairs first .. len(stamps) - 2: how the two line up."""
+    offsets = {}
+    for j in range(first, len(stamps) - 1):
+        t0 = stamps[j][8]
+        if not t0:
+            continue
+        for w in (0, 1):
+            for k, name in enumerate(events):
+                t = stamps[j][8 + 8 * w + k]
+                if t:
+                    offsets.setdefault(f"wg{w}: {name}", []).append((t - t0) & 0xFFFFFFFF)
+    return {k: statistics.median(v) for k, v in offsets.items()}
 
 
 def timeline_config(case, first_chunk: int = 0, overrides=None):
@@ -132,7 +153,7 @@ def run_case(case, cfg, reps: int, cta: int, row_block: int) -> None:
         run()
         torch.cuda.synchronize()
         stamps = read_stamps(p_out[slots:], row_block, cta)
-        pairs = cfg.schedule == "pairs"
+        pairs = cfg.schedule in P_EVENTS_OF
         parts = [("load wg" if pairs else "S^T wg", phase_medians(stamps, 0, S_EVENTS[cfg.schedule]))]
         parts += [(f"wg{w}", phase_medians(stamps, 8 + 8 * w, P_EVENTS_OF.get(cfg.schedule, P_EVENTS)))
                   for w in (0, 1)]
@@ -144,6 +165,9 @@ def run_case(case, cfg, reps: int, cta: int, row_block: int) -> None:
         for name, ph in parts:
             print(f"    {name:6}: " + ", ".join(f"{a} -> {b} {v:.0f}" for (a, b), v in
                                                ((k, v) for k, v in ph.items() if k != "period")))
+        if pairs:
+            offsets = sorted(pair_offsets(stamps, P_EVENTS_OF[cfg.schedule]).items(), key=lambda kv: kv[1])
+            print("    from wg0's pair start: " + ", ".join(f"{k} {v:.0f}" for k, v in offsets))
 
 
 def main(argv=None) -> int:

@@ -101,6 +101,9 @@ PV_ORDERS = ("whole", "per_tile")
 # Bytes a row of the rope's block in the ring and Q (`DecodeConfig.rope_rows`): 128 (its own 128B-swizzled rows, the
 # last 64 bytes zero, like the latent's four blocks) or 64 (64B-swizzled rows of its 64 bytes).
 ROPE_ROWS = (128, 64)
+# The chunk-pairs schedule's MMA warpgroups a phase apart (`DecodeConfig.pair_stagger`): when the follower issues
+# its S, by value
+PAIR_STAGGERS = {0: "off", 1: "once the leader's S is done", 2: "once the leader's S is issued"}
 TIMELINE_CHUNKS = 40  # chunks stamped per CTA by a timeline build (benchmarks/timeline_decode.py)
 
 
@@ -134,7 +137,9 @@ class DecodeConfig:
     with it `pair_rescale_skip` (research) has the maxima barrier also tell both warpgroups whether any row's max
     moves in the pair (`ptx.barrier_any`), and where none does skips the alphas' publication, its barrier and O^T's
     rescale in every thread alike (exact: every alpha is then 1, or 0 on an O^T that is still 0; on an H100 5-13%
-    slower: P's window is not shortened by its multiplies, experiments.md);
+    slower: P's window is not shortened by its multiplies, experiments.md), and with it `pair_stagger` (research,
+    64 rows, one P plane; PAIR_STAGGERS) runs the two MMA warpgroups a phase apart
+    (`hopper/decode_pairs_stagger.py`), so that each one's softmax runs under the other's MMAs;
     `pv_behind` (research, 1-4; one P plane, 4 stages) runs each pair's P.V during the next pair, a dim tile of a
     chunk at a time between its P's words with at most that many in flight, so that the tensor pipe has work while
     the softmax runs (the same arithmetic in the same order), and with `s_under_rescale` (research) issues the next
@@ -198,6 +203,7 @@ class DecodeConfig:
     s_between_pv: bool = False
     vt_smem: bool = False
     pair_rescale_skip: bool = False
+    pair_stagger: int = 0
 
     def __post_init__(self):
         if self.page_size <= 0 or self.page_size & (self.page_size - 1):
@@ -309,6 +315,16 @@ class DecodeConfig:
         if self.pair_rescale_skip and (not self.chunk_pairs or not self.early_rescale or self.unit_rescale_skip):
             raise ValueError("pair_rescale_skip is a form of early_rescale in the chunk_pairs schedule, without "
                              "unit_rescale_skip")
+        if self.pair_stagger not in PAIR_STAGGERS:
+            forms = "; ".join(f"{k}: {v}" for k, v in PAIR_STAGGERS.items())
+            raise ValueError(f"pair_stagger is one of {tuple(PAIR_STAGGERS)} ({forms}), got {self.pair_stagger}")
+        if self.pair_stagger and (not self.chunk_pairs or self.rows_per_block != 64 or not self.early_rescale
+                                  or self.p_planes != 1 or self.s_chains != 2 or self.unit_rescale_skip
+                                  or self.pair_rescale_skip or self.own_chunk_first or self.s_between_pv
+                                  or self.vt_smem):
+            raise ValueError("pair_stagger is a form of early_rescale in the chunk_pairs schedule at 64 rows with one "
+                             "P plane and two S chains, without unit_rescale_skip, pair_rescale_skip, "
+                             "own_chunk_first, s_between_pv or vt_smem")
         unknown = set(self.skip) - set(DECODE_PARTS)
         if unknown:
             raise ValueError(f"skip names unknown parts {sorted(unknown)}; known: {', '.join(DECODE_PARTS)}")
@@ -319,7 +335,7 @@ class DecodeConfig:
         if self.rows_per_block == 16:
             return "rows16"
         if self.chunk_pairs:
-            return "pairs"
+            return "pairs_stagger" if self.pair_stagger else "pairs"
         if self.q_in_registers:
             return "swg_tma_qregs"
         return "swg_tma" if self.kv_loads == "tma" else "swg"

@@ -19,3 +19,10 @@ PAIR_WG_BAR = 5  # + warpgroup (5, 6): one MMA warpgroup alone, the zeroed tail 
 PAIR_PV_DONE_BAR = 7  # warpgroups 0 and 1 (`p_after_pv`): P.V of the pair before done in both, its P buffers free
 PAIR_TAIL_BAR = 8  # warpgroups 0 and 1 (`vt_smem`): the zeroed tail of a segment's last chunk written, before both
 # warpgroups transpose that pair's chunks
+# chunk pairs a phase apart (decode_pairs_stagger.py), warpgroups 0 (the leader) and 1 (the follower), 256 threads,
+# each arrived at by one warpgroup and waited on by the other once a pair
+STAGGER_S_BAR = 9  # the leader's S done: the follower issues its own
+STAGGER_MAX_BAR = 10  # the leader's new maxima and alphas written
+STAGGER_P0_BAR = 11  # the leader's P written
+STAGGER_P1_BAR = 12  # the follower's P, maxima, betas and flag written
+STAGGER_P0_FREE_BAR = 13  # the follower's P.V of the leader's chunk done: the leader's P buffer may be rewritten

@@ -2,8 +2,8 @@
 
 docs/design.md explains the kernels; `decode_rows16.py` (16-row blocks, q_len x H <= 16), `decode_swg.py` (32 and 48
 rows, 64 on request; `decode_swg_tma.py` its TMA form) and `decode_pairs.py` (64 rows; 48 research) are the
-runtime's schedules, `decode_swg_qregs.py` (64 rows) a research one, over the shared pieces `decode_common`,
-`paged_kv`, `softmax`, `decode_mma` and `epilogue`.
+runtime's schedules, `decode_pairs_stagger.py` (64 rows) a research form of the last and `decode_swg_qregs.py` (64
+rows) a research one, over the shared pieces `decode_common`, `paged_kv`, `softmax`, `decode_mma` and `epilogue`.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from .. import jit_cache
 from ..config import DecodeConfig
 from .decode_layout import BF16, FP8
 from .decode_pairs import MLADecodePairsSM90
+from .decode_pairs_stagger import MLADecodePairsStaggerSM90
 from .decode_rows16 import MLADecodeRows16SM90
 from .decode_swg import MLADecodeSwgSM90
 from .decode_swg_qregs import MLADecodeSwgQRegsSM90
@@ -21,7 +22,8 @@ from .decode_swg_tma import MLADecodeSwgTmaSM90
 from .launch import cuda_stream, gmem_ptr
 
 SCHEDULES = {"rows16": MLADecodeRows16SM90, "swg": MLADecodeSwgSM90, "swg_tma": MLADecodeSwgTmaSM90,
-             "swg_tma_qregs": MLADecodeSwgQRegsSM90, "pairs": MLADecodePairsSM90}
+             "swg_tma_qregs": MLADecodeSwgQRegsSM90, "pairs": MLADecodePairsSM90,
+             "pairs_stagger": MLADecodePairsStaggerSM90}
 
 
 def decode_kernel(cfg: DecodeConfig):

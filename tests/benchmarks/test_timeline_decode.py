@@ -40,6 +40,27 @@ def test_every_schedule_a_timeline_stamps_names_its_events():
     # the chunk-pairs schedule (64 rows' default): a load warpgroup with two events, MMA warpgroups with six per pair
     cfg = tl.timeline_config((128, 1, 64, 1 << 17, 4), 30)
     assert cfg.schedule == "pairs" and len(tl.S_EVENTS["pairs"]) == 2 and len(tl.P_EVENTS_OF["pairs"]) == 6
+    # its warpgroups a phase apart stamp the same slots (a KeyError before it was named)
+    cfg = tl.timeline_config((128, 1, 64, 1 << 17, 4), 30, {"pair_stagger": 2})
+    assert cfg.schedule == "pairs_stagger" and tl.P_EVENTS_OF[cfg.schedule] == tl.P_EVENTS_OF["pairs"]
+    assert tl.S_EVENTS[cfg.schedule] == tl.S_EVENTS["pairs"]
+
+
+def test_pair_offsets_line_both_warpgroups_up_on_the_first():
+    """Each MMA event's median offset from warpgroup 0's first event of the pair, across a wrap of the clock;
+    an event not reached (stamp 0) is left out."""
+    events = ["start", "mid"]
+    stamps = [[0] * tl.TIMELINE_SLOTS for _ in range(7)]
+    for j in range(7):
+        t0 = (0xFFFFFF00 + 5000 * j) & 0xFFFFFFFF
+        stamps[j][8] = t0
+        stamps[j][9] = (t0 + 900) & 0xFFFFFFFF
+        stamps[j][16] = (t0 + 600) & 0xFFFFFFFF
+        stamps[j][17] = (t0 + 1500 + 10 * j) & 0xFFFFFFFF
+    stamps[5][17] = 0
+    off = tl.pair_offsets(stamps, events, first=0)
+    assert off["wg0: start"] == 0 and off["wg0: mid"] == 900 and off["wg1: start"] == 600
+    assert off["wg1: mid"] == 1520  # pairs 0-4 (5 has no stamp; 6, the last, is left out as in phase_medians)
 
 
 def test_main_refuses_bad_arguments_before_anything_runs(capsys):

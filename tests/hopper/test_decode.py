@@ -356,6 +356,16 @@ def test_chunk_pairs_is_checked():
         with pytest.raises(ValueError, match="pair_rescale_skip is a form of early_rescale"):
             decode_config(h, q, 64, **options, pair_rescale_skip=True)
     assert decode_config(128, 1, 64, pair_rescale_skip=True).early_rescale
+    # the warpgroups a phase apart: a form of the rescale beside P's exp2 at 64 rows with one P plane
+    for h, q, options in ((128, 1, {"early_rescale": False}), (128, 1, {"chunk_pairs": False}),
+                          (128, 1, {"p_planes": 2, "early_rescale": True}), (12, 8, {"rows_per_block": 48}),
+                          (128, 1, {"pair_rescale_skip": True}), (128, 1, {"own_chunk_first": True}),
+                          (128, 1, {"unit_rescale_skip": True}), (128, 1, {"s_between_pv": True, "num_stages": 4}),
+                          (128, 1, {"s_chains": 1})):
+        with pytest.raises(ValueError, match="pair_stagger is a form of early_rescale"):
+            decode_config(h, q, 64, **options, pair_stagger=True)
+    staggered = decode_config(128, 1, 64, pair_stagger=True)
+    assert staggered.schedule == "pairs_stagger" and staggered.num_stages == 5 and staggered.early_rescale
     assert decode_config(12, 4, 32, chunk_pairs=True, q_in_registers=True).s_chains == 2  # two unless asked
     # S a pair ahead waits for the next pair's chunks before it releases this pair's: 3 stages would hang
     with pytest.raises(ValueError, match="s_ahead needs 4 ring stages"):
@@ -489,7 +499,10 @@ QREGS = {"q_in_registers": True}
     # V^T transposed into shared memory under S, beside S's chains and O^T
     (128, 1, 64, 64, 1, {**PAIRS, "vt_smem": True}), (16, 4, 64, 64, 2, {**PAIRS, "vt_smem": True}),
     # the O^T rescale skipped by both warpgroups where no row's max moves: two copies of P's code, one beside it
-    (128, 1, 64, 64, 1, {"pair_rescale_skip": True}), (12, 8, 64, 64, 1, {"pair_rescale_skip": True})])
+    (128, 1, 64, 64, 1, {"pair_rescale_skip": True}), (12, 8, 64, 64, 1, {"pair_rescale_skip": True}),
+    # the warpgroups a phase apart: the leader's and the follower's loops, each with O^T's second rescale
+    (128, 1, 64, 64, 1, {"pair_stagger": True}), (12, 8, 64, 64, 1, {"pair_stagger": True}),
+    (16, 4, 64, None, 1, {"pair_stagger": True, "kv_box_tokens": 32})])
 def test_no_spills(tmp_path, num_heads, q_len, page_size, rows, planes, options):
     ptxas = ptxas_path()
     assert ptxas, "ptxas (pip install 'cute-mla-fp8[test]' brings it) is needed: the spill check is part of the CPU suite"
@@ -587,6 +600,13 @@ GPU_CASES = [
     (64, 1, 64, 64, False, [1, 65, 129, 200, 64, 3, 1000, 4000, 130, 191, 257, 0], 5,
      {"pair_rescale_skip": True, "p_planes": 1}),
     (16, 4, 64, 32, True, [4, 5, 64, 1500, 77], 9, {"pair_rescale_skip": True, "p_planes": 1}),
+    # the warpgroups a phase apart (pair_stagger): many segments with odd and even chunk counts, tiles of 32 (chunks
+    # across pages), 96 rows (the second block half padding)
+    (64, 1, 64, 64, False, [1, 65, 129, 200, 64, 3, 1000, 4000, 130, 191, 257, 0], 5,
+     {"pair_stagger": True, "p_planes": 1}),
+    (16, 4, 64, 32, True, [4, 5, 64, 1500, 77], 9, {"pair_stagger": True, "kv_box_tokens": 32, "p_planes": 1}),
+    (12, 8, 64, 64, True, [8, 9, 100, 1000, 4000, 65], 9, {"pair_stagger": True, "p_planes": 1}),
+    (128, 1, 64, 64, True, [1, 700, 3000, 64], 8, {"pair_stagger": 2, "p_planes": 1}),  # its S behind the leader's
     # 48-row blocks (S's rows padded to 64): two full blocks, one block, 32 rows in a block of 48
     (12, 8, 32, 64, True, [8, 9, 100, 1000, 4000, 65], 9, {**ROWS_48, **PAIRS}),
     (12, 8, 32, 64, True, [8, 9, 100, 1000, 4000, 65], 9, {**ROWS_48, **PAIRS, "s_ahead": True}),
@@ -682,7 +702,7 @@ def _options_id(options) -> str:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("options", [{}, {"p_exp2_fma": 4}, {"pv_behind": 3}, DEEP_RING, {"vt_smem": True},
-                                     {"pair_rescale_skip": True}], ids=_options_id)
+                                     {"pair_rescale_skip": True}, {"pair_stagger": True}], ids=_options_id)
 def test_nan_in_the_kv_reaches_its_rows_gpu(options):
     """A NaN in one token's latent is NaN in every output row and lse of its request (each row's S of that token
     is NaN, and so its p, whichever pipe takes the exp2: `p_exp2_fma=4` takes them all on the FMA pipe), never an
@@ -848,6 +868,23 @@ def test_pair_rescale_skip_changes_no_bit_gpu(num_heads, q_len, options, q_scale
     assert skipping.pair_rescale_skip and skipping.early_rescale and not every.pair_rescale_skip
     _assert_launches_agree(every, skipping, [1, 700, 3000, 64, 20000, 129, 0, 4100, 4097, 63], seed=47,
                            num_ctas=10, q_scale=q_scale)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_heads,q_len,stagger,options", [(128, 1, 1, {}), (12, 8, 1, {}),
+                                                            (16, 4, 1, {"kv_box_tokens": 32}), (128, 1, 2, {})])
+def test_pair_stagger_on_equal_scores_changes_no_bit_gpu(num_heads, q_len, stagger, options):
+    """With every score 0 (q_scale 0) no chunk moves a row's max past a segment's first, so the warpgroups a phase
+    apart (`pair_stagger`) take P of both chunks against the same max as phase after phase, and skip the second
+    rescale: every output and lse bit is the first form's, over segments of odd and even chunk counts. (On random
+    scores P of the leader's chunk is taken against its own max where the follower's moves it: the reference
+    cases bound that.)"""
+    from mla_backend.config import decode_config
+
+    phases, staggered = (decode_config(num_heads, q_len, 64, pair_stagger=v, **options) for v in (0, stagger))
+    assert staggered.schedule == "pairs_stagger" and phases.schedule == "pairs"
+    _assert_launches_agree(phases, staggered, [1, 700, 3000, 64, 20000, 129, 0, 4100, 4097, 63], seed=53,
+                           num_ctas=10, q_scale=0.0)
 
 
 @pytest.mark.gpu
@@ -1048,6 +1085,7 @@ POISON_CASES = [
     (16, 4, 64, 64, [0, 4, 5, 64, 1500, 77, 10779, 238], 24, {**PAIRS, **DEEP_RING}),  # the rope's 64-byte rows
     (16, 4, 64, 64, [0, 4, 5, 64, 1500, 77, 10779, 238], 24, {"vt_smem": True}),  # V^T buffers, a missing c1
     (16, 4, 64, 64, [0, 4, 5, 64, 1500, 77, 10779, 238], 24, {"pair_rescale_skip": True}),  # stale alphas
+    (16, 4, 64, 64, [0, 4, 5, 64, 1500, 77, 10779, 238], 24, {"pair_stagger": 2}),  # the follower's flag, betas
     (12, 8, 64, 64, [8, 9, 100, 1000, 4000, 65], 9, {**ROWS_48, **PAIRS, **DEEP_RING, "q_in_registers": True}),
 ]
 
