@@ -49,6 +49,9 @@ Three forms (`DecodeConfig.s_ahead`, `DecodeConfig.pv_behind`):
   not idle through that barrier and the next pair's start. On an H100 both measured slower than the first form
   (experiments.md): each unit's wait holds the softmax's instructions behind it, so the chain grows.
 
+A fourth form, the two MMA warpgroups a phase apart instead of in step (`DecodeConfig.pair_stagger`, research),
+is a subclass in `decode_pairs_stagger.py`, which gives each warpgroup its own pair loop (`_mma_roles`).
+
 The third warpgroup only loads. Its warp 0 issues each chunk's TMA boxes onto the stage's "landed" mbarrier once the
 stage's "read" mbarrier says both P.V warpgroups are done with the chunk it held (every thread of both arrives after
 its V^T loads of that chunk; the owner's S was waited for before); its 128 threads copy Q by cp.async at a segment's
