@@ -155,7 +155,10 @@ class DecodeConfig:
     its registers are there, instead of after the last tile (the same wgmmas in the same order). `s_between_pv`
     (research; the phase-after-phase form at 64 rows) issues the next pair's first S chain (its only one with
     `s_chains=1`) between this pair's two chunks' P.V, once the first chunk's is done, so that the tensor pipe
-    runs it while the rest of the second chunk's V^T loads (the same arithmetic in the same order). `vt_smem`
+    runs it while the rest of the second chunk's V^T loads (the same arithmetic in the same order). `s_after_pv`
+    (research; the phase-after-phase form at 64 rows, two S chains) issues the next pair's first S chain right
+    behind this pair's last P.V wgmmas, and its second once that P.V is done, so that the tensor pipe goes from P.V
+    to S without a wait and an issue between them (the same arithmetic in the same order). `vt_smem`
     (research; the phase-after-phase form at 64 rows, 3 ring stages of 36 KB) has each MMA warpgroup transpose its
     own chunk of a pair into a V^T buffer in shared memory while its S runs, so that P.V reads V^T as a
     shared-memory operand: no V^T loads between the P barrier and P.V, and no V^T registers (the same arithmetic in
@@ -201,6 +204,7 @@ class DecodeConfig:
     p_after_pv: bool = False
     pv_second_per_tile: bool = False
     s_between_pv: bool = False
+    s_after_pv: bool = False
     vt_smem: bool = False
     pair_rescale_skip: bool = False
     pair_stagger: int = 0
@@ -305,13 +309,19 @@ class DecodeConfig:
             # chain goes; 4 stages: the next pair's chunk must land before this pair releases its own
             raise ValueError("s_between_pv is an order of the chunk_pairs schedule's phase-after-phase form at 64 "
                              "rows with 4 or more ring stages, without own_chunk_first")
+        if self.s_after_pv and (not self.chunk_pairs or self.rows_per_block != 64 or self.s_ahead or self.pv_behind
+                                or self.own_chunk_first or self.s_between_pv or self.s_chains != 2):
+            # ptxas spills beside O^T and V^T(c1) with one chain (all of S's 64 registers), 84 bytes, and at 48 rows,
+            # where both chunks' V^T are in flight there, 28
+            raise ValueError("s_after_pv is an order of the chunk_pairs schedule's phase-after-phase form at 64 rows "
+                             "with two S chains, without own_chunk_first or s_between_pv")
         if self.vt_smem and (not self.chunk_pairs or self.rows_per_block != 64 or self.s_ahead or self.pv_behind
-                             or self.own_chunk_first or self.s_between_pv or self.q_in_registers
-                             or self.num_stages != 3 or self.rope_rows != 64):
+                             or self.own_chunk_first or self.s_between_pv or self.s_after_pv
+                             or self.q_in_registers or self.num_stages != 3 or self.rope_rows != 64):
             # 3 stages of 36 KB: the two chunks' V^T buffers (64 KB) take the room of two more
             raise ValueError("vt_smem is a form of the chunk_pairs schedule's phase-after-phase form at 64 rows with "
                              "3 ring stages of 64-byte rope rows (rope_rows=64), without own_chunk_first, "
-                             "s_between_pv or q_in_registers")
+                             "s_between_pv, s_after_pv or q_in_registers")
         if self.pair_rescale_skip and (not self.chunk_pairs or not self.early_rescale or self.unit_rescale_skip):
             raise ValueError("pair_rescale_skip is a form of early_rescale in the chunk_pairs schedule, without "
                              "unit_rescale_skip")
@@ -321,10 +331,10 @@ class DecodeConfig:
         if self.pair_stagger and (not self.chunk_pairs or self.rows_per_block != 64 or not self.early_rescale
                                   or self.p_planes != 1 or self.s_chains != 2 or self.unit_rescale_skip
                                   or self.pair_rescale_skip or self.own_chunk_first or self.s_between_pv
-                                  or self.vt_smem):
+                                  or self.s_after_pv or self.vt_smem):
             raise ValueError("pair_stagger is a form of early_rescale in the chunk_pairs schedule at 64 rows with one "
                              "P plane and two S chains, without unit_rescale_skip, pair_rescale_skip, "
-                             "own_chunk_first, s_between_pv or vt_smem")
+                             "own_chunk_first, s_between_pv, s_after_pv or vt_smem")
         unknown = set(self.skip) - set(DECODE_PARTS)
         if unknown:
             raise ValueError(f"skip names unknown parts {sorted(unknown)}; known: {', '.join(DECODE_PARTS)}")

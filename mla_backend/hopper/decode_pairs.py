@@ -29,7 +29,11 @@ Three forms (`DecodeConfig.s_ahead`, `DecodeConfig.pv_behind`):
   pair's first chunk is done, into the registers S(p) left, ahead of the second chunk's P.V, so that the tensor
   pipe has it while the rest of that chunk's V^T loads (the pipe otherwise idle); its second chain is issued as
   pair p + 1 starts. The same arithmetic in the same order (bit-identical outputs); on an H100 2-7% slower where
-  the tensor cores bound the step: the chain then sits ahead of P.V(c1) (experiments.md). With `vt_smem`
+  the tensor cores bound the step: the chain then sits ahead of P.V(c1) (experiments.md). With `s_after_pv`
+  (research, 64 rows) S(p + 1)'s first chain is issued right behind P.V(c1), beside O^T and V^T(c1) in flight,
+  and its second once P.V(c1) is done, so that the tensor pipe goes from P.V to S with no wait and issue between
+  them; the same arithmetic in the same order, and on an H100 as fast as phase after phase within the runs'
+  spread (experiments.md). With `vt_smem`
   (research, 64 rows, 3 stages) each warpgroup transposes both chunks in its dims into shared memory while its S
   runs, and P.V reads V^T from there (`_pair_vt_smem`): no V^T registers or loads between the P barrier and P.V;
   on an H100 4-24% slower, S twice as long beside the transposes' shared-memory traffic (experiments.md).
@@ -384,6 +388,13 @@ class MLADecodePairsSM90(MLADecodeSM90):
                     m0, m1, l0, l1, k_cur = self._pair(cta, seg, acc_O, acc_S, acc_A, acc_B, q_regs, sPw, sMax,
                                                        sAlpha, pr, m0, m1, l0, l1, k_cur)
                 wgmma_wait(0)  # the chain issued past the last pair (on Q's own rows, masked) is done with sQ
+            elif cutlass.const_expr(self.cfg.s_after_pv):
+                # S(0) here, each later one at the end of the pair before, right behind its last P.V wgmmas
+                self._issue_qk_chains(acc_A, acc_B, q_regs, self._own_chunk_k_base(cta, seg, cta.wg), cta.q_addr)
+                for pr in range(n_pairs):
+                    m0, m1, l0, l1 = self._pair(cta, seg, acc_O, acc_S, acc_A, acc_B, q_regs, sPw, sMax, sAlpha,
+                                                pr, m0, m1, l0, l1, None, role)
+                wgmma_wait(0)  # the S issued past the last pair (on Q's own rows, masked) is done with sQ
             else:
                 for pr in range(n_pairs):
                     m0, m1, l0, l1 = self._pair(cta, seg, acc_O, acc_S, acc_A, acc_B, q_regs, sPw, sMax, sAlpha,
@@ -406,15 +417,16 @@ class MLADecodePairsSM90(MLADecodeSM90):
         warpgroup's chunk at k_cur issued during the pair before) also where the next pair's chunk is read from."""
         lead = cta.tidx % WARPGROUP == 0
         between = self.cfg.s_between_pv
-        k_base = k_cur if between else self._own_chunk_k_base(cta, seg, 2 * pr + cta.wg)
-        # the previous pair's P.V is done: its V^T registers are free and its P buffers may be rewritten
-        self._wait_mma(acc_O)
-        self._stamp(cta, lead, pr, 8 + 8 * cta.wg + 0)  # "chunk landed"
-        if cutlass.const_expr(between):
-            if cutlass.const_expr(self.cfg.s_chains == 2):
-                self._issue_qk_second(acc_B, k_base, cta.q_addr)
-        else:
-            self._issue_qk_chains(acc_A, acc_B, q_regs, k_base, cta.q_addr)
+        if cutlass.const_expr(not self.cfg.s_after_pv):  # (else S(pr) was issued at the end of the pair before)
+            k_base = k_cur if between else self._own_chunk_k_base(cta, seg, 2 * pr + cta.wg)
+            # the previous pair's P.V is done: its V^T registers are free and its P buffers may be rewritten
+            self._wait_mma(acc_O)
+            self._stamp(cta, lead, pr, 8 + 8 * cta.wg + 0)  # "chunk landed"
+            if cutlass.const_expr(between):
+                if cutlass.const_expr(self.cfg.s_chains == 2):
+                    self._issue_qk_second(acc_B, k_base, cta.q_addr)
+            else:
+                self._issue_qk_chains(acc_A, acc_B, q_regs, k_base, cta.q_addr)
         if cutlass.const_expr(self.cfg.vt_smem):
             # (research) both chunks' V^T in this warpgroup's dims into its own buffers while its S runs (the
             # warps wait for the tensor pipe there); only this warpgroup reads them, after its P barrier, and
@@ -483,6 +495,18 @@ class MLADecodePairsSM90(MLADecodeSM90):
             self._stamp(cta, lead, pr, 8 + 8 * cta.wg + 4)  # "V^T loaded" (the second chunk's)
             self._issue_pv_regs(acc_O, a1, p_addr + (1 - first) * p_bytes, 0)
         self._stamp(cta, lead, pr, 8 + 8 * cta.wg + 5)  # "P.V issued"
+        if cutlass.const_expr(self.cfg.s_after_pv):
+            # S(pr + 1) right behind P.V(c1) in the tensor pipe (past the segment's last pair on Q's own rows,
+            # masked whole): its first chain beside O^T and V^T(c1), in flight; its second once P.V(c1) is done and
+            # V^T(c1)'s registers are free
+            k_next = self._own_chunk_k_base(cta, seg, 2 * pr + 2 + cta.wg)
+            self._stamp(cta, lead, pr + 1, 8 + 8 * cta.wg + 0)  # "chunk landed" (the next pair's)
+            self._issue_qk_first(acc_A, q_regs, k_next, cta.q_addr, self._s_first_steps())
+            wgmma_wait(1)  # P.V(c1) (the next S's first chain may still run)
+            for i in cutlass.range_constexpr(cute.size(acc_O)):
+                acc_O[i] = fence_operand(acc_O[i])
+            if cutlass.const_expr(self.cfg.s_chains == 2):
+                self._issue_qk_second(acc_B, k_next, cta.q_addr)
         if cutlass.const_expr(between):
             return new0, new1, l0 * alpha0 + csum0, l1 * alpha1 + csum1, k_base
         return new0, new1, l0 * alpha0 + csum0, l1 * alpha1 + csum1

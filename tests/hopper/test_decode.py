@@ -263,7 +263,10 @@ DEEP_RING = {"pv_behind": 3, "rope_rows": 64, "p_after_pv": True, "num_stages": 
     (12, 4, 64, {"pv_second_per_tile": True, "timeline": 0}),
     # the next pair's first S chain issued between this pair's two chunks' P.V (64 rows)
     (128, 1, 64, {"s_between_pv": True}), (64, 1, 64, {"s_between_pv": True, "p_planes": 2}),
-    (16, 4, 32, {"s_between_pv": True, "s_chains": 1}), (12, 8, 64, {"s_between_pv": True, "timeline": 0})])
+    (16, 4, 32, {"s_between_pv": True, "s_chains": 1}), (12, 8, 64, {"s_between_pv": True, "timeline": 0}),
+    # the next pair's S issued right behind this pair's last P.V wgmmas (64 rows)
+    (128, 1, 64, {"s_after_pv": True}), (64, 1, 64, {"s_after_pv": True, "p_planes": 2}),
+    (16, 4, 32, {"s_after_pv": True}), (12, 8, 64, {"s_after_pv": True, "timeline": 0})])
 def test_chunk_pairs_builds_compile(heads, q_len, page_size, options):
     """The chunk-pairs schedule (`DecodeConfig.chunk_pairs`, research) compiles at 48 and 64 rows with 4 ring
     stages, for both P precisions, one or two S chains, half- and whole-chunk boxes, padding rows, S issued a pair
@@ -341,6 +344,15 @@ def test_chunk_pairs_is_checked():
                           (128, 1, {"chunk_pairs": False})):
         with pytest.raises(ValueError, match="s_between_pv is an order of"):
             decode_config(h, q, 64, **{"chunk_pairs": True, **options}, s_between_pv=True)
+    # the next pair's S right behind this pair's last P.V: 64 rows and two S chains (ptxas spills beside O^T and
+    # V^T(c1) at 48 rows and with one chain), phase after phase
+    for h, q, options in ((12, 8, {"rows_per_block": 48}), (128, 1, {"s_chains": 1}), (128, 1, {"s_ahead": True}),
+                          (128, 1, {"pv_behind": 2, "p_planes": 1, "early_rescale": False}),
+                          (128, 1, {"own_chunk_first": True}), (128, 1, {"s_between_pv": True, "num_stages": 4}),
+                          (128, 1, {"chunk_pairs": False})):
+        with pytest.raises(ValueError, match="s_after_pv is an order of"):
+            decode_config(h, q, 64, **{"chunk_pairs": True, **options}, s_after_pv=True)
+    assert decode_config(128, 1, 64, s_after_pv=True).num_stages == 5  # the deep ring stays
     # V^T in shared memory: the phase-after-phase form at 64 rows, 3 stages of 64-byte rope rows beside its buffers
     for h, q, options in ((12, 8, {"rows_per_block": 48}), (128, 1, {"s_ahead": True, "num_stages": 4}),
                           (128, 1, {"pv_behind": 2, "p_planes": 1, "early_rescale": False, "num_stages": 4}),
@@ -500,6 +512,9 @@ QREGS = {"q_in_registers": True}
     (128, 1, 64, 64, 1, {**PAIRS, "vt_smem": True}), (16, 4, 64, 64, 2, {**PAIRS, "vt_smem": True}),
     # the O^T rescale skipped by both warpgroups where no row's max moves: two copies of P's code, one beside it
     (128, 1, 64, 64, 1, {"pair_rescale_skip": True}), (12, 8, 64, 64, 1, {"pair_rescale_skip": True}),
+    # the next pair's first S chain beside O^T and V^T(c1) in flight
+    (128, 1, 64, 64, 1, {"s_after_pv": True}), (12, 8, 64, 64, 1, {"s_after_pv": True}),
+    (64, 1, 64, 64, 2, {"s_after_pv": True}), (16, 4, 64, None, 1, {"s_after_pv": True, "kv_box_tokens": 32}),
     # the warpgroups a phase apart: the leader's and the follower's loops, each with O^T's second rescale
     (128, 1, 64, 64, 1, {"pair_stagger": True}), (12, 8, 64, 64, 1, {"pair_stagger": True}),
     (16, 4, 64, None, 1, {"pair_stagger": True, "kv_box_tokens": 32})])
@@ -839,6 +854,24 @@ def test_s_between_pv_changes_no_bit_gpu(num_heads, q_len, page_size, tile_token
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("num_heads,q_len,page_size,tile_tokens,options", [
+    (128, 1, 64, 64, {}), (16, 4, 64, 32, {}), (64, 1, 64, 64, {"p_planes": 2}), (12, 8, 64, 64, {}),
+    (16, 4, 32, 64, {}), (128, 2, 64, 64, {"num_stages": 4})])
+def test_s_after_pv_changes_no_bit_gpu(num_heads, q_len, page_size, tile_tokens, options):
+    """The next pair's S issued right behind this pair's last P.V wgmmas (`s_after_pv`) computes the same S and
+    sums it the same way: every output and lse bit equals phase after phase's, over segments of odd and even chunk
+    counts (the S past a segment's last pair on Q's own rows) and segments of one chunk, with 5 ring stages and 4,
+    whole- and half-chunk boxes."""
+    from mla_backend.config import decode_config
+
+    phases, after = (decode_config(num_heads, q_len, page_size, tile_tokens=tile_tokens, s_after_pv=a,
+                                   **PAIRS, **options) for a in (False, True))
+    assert after.rows_per_block == 64 and after.s_after_pv
+    _assert_launches_agree(phases, after, [1, 700, 3000, 64, 20000, 129, 0, 4100], seed=43, num_ctas=10,
+                           tile_tokens=tile_tokens)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("num_heads,q_len,options", [
     (128, 1, {}), (16, 4, {}), (64, 1, {"p_planes": 2}), (12, 8, {}), (16, 4, {"early_rescale": False})])
 def test_vt_smem_changes_no_bit_gpu(num_heads, q_len, options):
@@ -1086,6 +1119,7 @@ POISON_CASES = [
     (16, 4, 64, 64, [0, 4, 5, 64, 1500, 77, 10779, 238], 24, {"vt_smem": True}),  # V^T buffers, a missing c1
     (16, 4, 64, 64, [0, 4, 5, 64, 1500, 77, 10779, 238], 24, {"pair_rescale_skip": True}),  # stale alphas
     (16, 4, 64, 64, [0, 4, 5, 64, 1500, 77, 10779, 238], 24, {"pair_stagger": 2}),  # the follower's flag, betas
+    (16, 4, 64, 64, [0, 4, 5, 64, 1500, 77, 10779, 238], 24, {"s_after_pv": True}),  # S past a segment's end
     (12, 8, 64, 64, [8, 9, 100, 1000, 4000, 65], 9, {**ROWS_48, **PAIRS, **DEEP_RING, "q_in_registers": True}),
 ]
 
