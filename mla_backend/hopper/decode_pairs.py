@@ -505,8 +505,7 @@ class MLADecodePairsSM90(MLADecodeSM90):
             wgmma_wait(1)  # P.V(c1) (the next S's first chain may still run)
             for i in cutlass.range_constexpr(cute.size(acc_O)):
                 acc_O[i] = fence_operand(acc_O[i])
-            if cutlass.const_expr(self.cfg.s_chains == 2):
-                self._issue_qk_second(acc_B, k_next, cta.q_addr)
+            self._issue_qk_second(acc_B, k_next, cta.q_addr)  # (two chains: `DecodeConfig` refuses one)
         if cutlass.const_expr(between):
             return new0, new1, l0 * alpha0 + csum0, l1 * alpha1 + csum1, k_base
         return new0, new1, l0 * alpha0 + csum0, l1 * alpha1 + csum1
