@@ -158,7 +158,9 @@ class DecodeConfig:
     runs it while the rest of the second chunk's V^T loads (the same arithmetic in the same order). `s_after_pv`
     (research; the phase-after-phase form at 64 rows, two S chains) issues the next pair's first S chain right
     behind this pair's last P.V wgmmas, and its second once that P.V is done, so that the tensor pipe goes from P.V
-    to S without a wait and an issue between them (the same arithmetic in the same order). `vt_smem`
+    to S without a wait and an issue between them (the same arithmetic in the same order). `stages_under_s` (the
+    phase-after-phase form's default, `default_stages_under_s`) waits for both chunks of a pair to land while its
+    S runs instead of past the maxima barrier. `vt_smem`
     (research; the phase-after-phase form at 64 rows, 3 ring stages of 36 KB) has each MMA warpgroup transpose its
     own chunk of a pair into a V^T buffer in shared memory while its S runs, so that P.V reads V^T as a
     shared-memory operand: no V^T loads between the P barrier and P.V, and no V^T registers (the same arithmetic in
@@ -205,6 +207,7 @@ class DecodeConfig:
     pv_second_per_tile: bool = False
     s_between_pv: bool = False
     s_after_pv: bool = False
+    stages_under_s: bool = False
     vt_smem: bool = False
     pair_rescale_skip: bool = False
     pair_stagger: int = 0
@@ -315,6 +318,10 @@ class DecodeConfig:
             # where both chunks' V^T are in flight there, 28
             raise ValueError("s_after_pv is an order of the chunk_pairs schedule's phase-after-phase form at 64 rows "
                              "with two S chains, without own_chunk_first or s_between_pv")
+        if self.stages_under_s and (not self.chunk_pairs or self.s_ahead or self.pv_behind or self.pair_stagger
+                                    or self.vt_smem):
+            raise ValueError("stages_under_s is an order of the chunk_pairs schedule's phase-after-phase form, without "
+                             "vt_smem (which waits there already)")
         if self.vt_smem and (not self.chunk_pairs or self.rows_per_block != 64 or self.s_ahead or self.pv_behind
                              or self.own_chunk_first or self.s_between_pv or self.s_after_pv
                              or self.q_in_registers or self.num_stages != 3 or self.rope_rows != 64):
@@ -419,6 +426,18 @@ def default_early_rescale(research: dict, p_planes: int) -> bool:
             and p_planes == 1)
 
 
+def default_stages_under_s(research: dict) -> bool:
+    """The waits for a pair's chunks to land while its S runs (`DecodeConfig.stages_under_s`) wherever the
+    chunk-pairs schedule runs phase after phase (vt_smem waits there already): the same arithmetic (outputs
+    bit-identical), off P's window, where ncu put 5% of its stall samples on them. H100, decode alone, 9 rounds, two
+    runs, medians, past the maxima barrier -> under S: H128 q1 page 64 128K x B4 161.7 -> 160.6 and 163.5 -> 162.0 us,
+    1M x B4 1156.0 -> 1148.3 and 1201.5 -> 1185.4, q2 128K x B4 281.3 -> 275.8 and 295.3 -> 289.6, H12 q8 1M x B1
+    296.4 -> 290.7 and 327.6 -> 320.3, 128K x B4 155.9 -> 153.5 and 160.8 -> 158.1; H64 / H16 q4 1M x B2 (the
+    memory bounds them) unchanged."""
+    return (bool(research.get("chunk_pairs")) and not research.get("s_ahead") and not research.get("pv_behind")
+            and not research.get("pair_stagger") and not research.get("vt_smem"))
+
+
 def default_deep_ring(research: dict, rows_per_block: int, p_planes: int, kv_box_tokens: int) -> bool:
     """Five ring stages of 36 KB (the rope in 64-byte rows, `DecodeConfig.rope_rows` 64) instead of four of 40
     wherever they fit: the chunk-pairs schedule's phase-after-phase form at 64 rows with one P plane (two need
@@ -468,6 +487,8 @@ def decode_config(num_heads: int, q_len: int, page_size: int, *, tile_tokens: in
         num_stages = 4  # one pair computed while the next lands (`hopper/decode_pairs.py`)
     if "early_rescale" not in research:
         research = {**research, "early_rescale": default_early_rescale(research, p_planes)}
+    if "stages_under_s" not in research:
+        research = {**research, "stages_under_s": default_stages_under_s(research)}
     return DecodeConfig(num_heads=num_heads, q_len=q_len, page_size=page_size, tile_tokens=tile_tokens,
                         causal=bool(causal), rows_per_block=rows,
                         num_stages=default_num_stages(rows) if num_stages is None else num_stages,

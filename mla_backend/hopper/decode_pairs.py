@@ -433,6 +433,10 @@ class MLADecodePairsSM90(MLADecodeSM90):
             # rewrites them after its wait for this pair's P.V
             stage0, stage1, has_c1 = self._pair_stages(cta, seg, pr)
             self._store_pair_vt(cta, seg, pr, stage0, stage1, has_c1)
+        elif cutlass.const_expr(self.cfg.stages_under_s):
+            # the waits for both chunks' "landed" mbarriers while S runs, where the warps wait for the tensor pipe
+            # anyway, instead of inside P's window (`config.default_stages_under_s`)
+            stage0, stage1, has_c1 = self._pair_stages(cta, seg, pr)
         self._sum_qk_chains(acc_S, acc_A, acc_B)
         self._stamp(cta, lead, pr, 8 + 8 * cta.wg + 1)  # "S done"
         if cutlass.const_expr(self.cfg.vt_smem):
@@ -446,7 +450,8 @@ class MLADecodePairsSM90(MLADecodeSM90):
         if cutlass.const_expr(self.cfg.vt_smem):
             return self._pair_vt_smem(cta, seg, acc_O, acc_S, sPw, sAlpha, pr, l0, l1, new0, new1, use0, use1,
                                       alpha0, alpha1, moved)
-        stage0, stage1, has_c1 = self._pair_stages(cta, seg, pr)
+        if cutlass.const_expr(not self.cfg.stages_under_s):
+            stage0, stage1, has_c1 = self._pair_stages(cta, seg, pr)
         # own_chunk_first (research): this warpgroup's chunk first, whose P and alphas only it wrote, so that its
         # P.V needs no wait for the other warpgroup and runs under the P barrier's wait; else chunk 2p first
         first = cta.wg if self.cfg.own_chunk_first else 0

@@ -266,7 +266,10 @@ DEEP_RING = {"pv_behind": 3, "rope_rows": 64, "p_after_pv": True, "num_stages": 
     (16, 4, 32, {"s_between_pv": True, "s_chains": 1}), (12, 8, 64, {"s_between_pv": True, "timeline": 0}),
     # the next pair's S issued right behind this pair's last P.V wgmmas (64 rows)
     (128, 1, 64, {"s_after_pv": True}), (64, 1, 64, {"s_after_pv": True, "p_planes": 2}),
-    (16, 4, 32, {"s_after_pv": True}), (12, 8, 64, {"s_after_pv": True, "timeline": 0})])
+    (16, 4, 32, {"s_after_pv": True}), (12, 8, 64, {"s_after_pv": True, "timeline": 0}),
+    # the waits for a pair's chunks under its S
+    (128, 1, 64, {"stages_under_s": True}), (12, 8, 32, {**ROWS_48, "stages_under_s": True}),
+    (128, 1, 64, {"stages_under_s": True, "s_after_pv": True})])
 def test_chunk_pairs_builds_compile(heads, q_len, page_size, options):
     """The chunk-pairs schedule (`DecodeConfig.chunk_pairs`, research) compiles at 48 and 64 rows with 4 ring
     stages, for both P precisions, one or two S chains, half- and whole-chunk boxes, padding rows, S issued a pair
@@ -353,6 +356,12 @@ def test_chunk_pairs_is_checked():
         with pytest.raises(ValueError, match="s_after_pv is an order of"):
             decode_config(h, q, 64, **{"chunk_pairs": True, **options}, s_after_pv=True)
     assert decode_config(128, 1, 64, s_after_pv=True).num_stages == 5  # the deep ring stays
+    # the waits for a pair's chunks under its S: phase after phase, where vt_smem waits there already
+    for h, q, options in ((128, 1, {"s_ahead": True}), (128, 1, {"vt_smem": True}), (128, 1, {"pair_stagger": True}),
+                          (128, 1, {"pv_behind": 2, "p_planes": 1, "early_rescale": False}),
+                          (128, 1, {"chunk_pairs": False})):
+        with pytest.raises(ValueError, match="stages_under_s is an order of"):
+            decode_config(h, q, 64, **{"chunk_pairs": True, **options}, stages_under_s=True)
     # V^T in shared memory: the phase-after-phase form at 64 rows, 3 stages of 64-byte rope rows beside its buffers
     for h, q, options in ((12, 8, {"rows_per_block": 48}), (128, 1, {"s_ahead": True, "num_stages": 4}),
                           (128, 1, {"pv_behind": 2, "p_planes": 1, "early_rescale": False, "num_stages": 4}),
@@ -856,6 +865,23 @@ def test_s_between_pv_changes_no_bit_gpu(num_heads, q_len, page_size, tile_token
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_heads,q_len,page_size,tile_tokens,options", [
     (128, 1, 64, 64, {}), (16, 4, 64, 32, {}), (64, 1, 64, 64, {"p_planes": 2}), (12, 8, 64, 64, {}),
+    (12, 8, 32, 64, ROWS_48), (128, 1, 64, 64, {"s_after_pv": True})])
+def test_stages_under_s_changes_no_bit_gpu(num_heads, q_len, page_size, tile_tokens, options):
+    """The waits for a pair's chunks to land moved under its S (`stages_under_s`) change no arithmetic: every
+    output and lse bit equals the waits past the maxima barrier, over segments of odd and even chunk counts, with
+    whole- and half-chunk boxes, 48 rows and the next pair's S behind P.V."""
+    from mla_backend.config import decode_config
+
+    later, under = (decode_config(num_heads, q_len, page_size, tile_tokens=tile_tokens, stages_under_s=u,
+                                  **PAIRS, **options) for u in (False, True))
+    assert under.stages_under_s and not later.stages_under_s
+    _assert_launches_agree(later, under, [1, 700, 3000, 64, 20000, 129, 0, 4100], seed=61, num_ctas=10,
+                           tile_tokens=tile_tokens)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_heads,q_len,page_size,tile_tokens,options", [
+    (128, 1, 64, 64, {}), (16, 4, 64, 32, {}), (64, 1, 64, 64, {"p_planes": 2}), (12, 8, 64, 64, {}),
     (16, 4, 32, 64, {}), (128, 2, 64, 64, {"num_stages": 4})])
 def test_s_after_pv_changes_no_bit_gpu(num_heads, q_len, page_size, tile_tokens, options):
     """The next pair's S issued right behind this pair's last P.V wgmmas (`s_after_pv`) computes the same S and
@@ -1120,6 +1146,7 @@ POISON_CASES = [
     (16, 4, 64, 64, [0, 4, 5, 64, 1500, 77, 10779, 238], 24, {"pair_rescale_skip": True}),  # stale alphas
     (16, 4, 64, 64, [0, 4, 5, 64, 1500, 77, 10779, 238], 24, {"pair_stagger": 2}),  # the follower's flag, betas
     (16, 4, 64, 64, [0, 4, 5, 64, 1500, 77, 10779, 238], 24, {"s_after_pv": True}),  # S past a segment's end
+    (16, 4, 64, 64, [0, 4, 5, 64, 1500, 77, 10779, 238], 24, {"stages_under_s": True}),  # tails after the waits
     (12, 8, 64, 64, [8, 9, 100, 1000, 4000, 65], 9, {**ROWS_48, **PAIRS, **DEEP_RING, "q_in_registers": True}),
 ]
 
