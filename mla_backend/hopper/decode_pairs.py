@@ -25,7 +25,8 @@ Three forms (`DecodeConfig.s_ahead`, `DecodeConfig.pv_behind`):
 - phase after phase (the default of the switch): S(p), the softmax and the exchanges, then P.V of both chunks,
   V^T of the first loaded under P's computation and of the second under the first's P.V (`_pair`); S(p + 1) is
   issued once P.V(p) is done (its 64 accumulators do not fit beside O^T and V^T), so the tensor pipe idles
-  through each softmax. With `s_between_pv` (research, 64 rows) S(p + 1)'s first chain is issued once P.V of the
+  through each softmax; the waits for both chunks to land run while S(p) does (`stages_under_s`, the default),
+  not in P's window. With `s_between_pv` (research, 64 rows) S(p + 1)'s first chain is issued once P.V of the
   pair's first chunk is done, into the registers S(p) left, ahead of the second chunk's P.V, so that the tensor
   pipe has it while the rest of that chunk's V^T loads (the pipe otherwise idle); its second chain is issued as
   pair p + 1 starts. The same arithmetic in the same order (bit-identical outputs); on an H100 2-7% slower where
