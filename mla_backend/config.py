@@ -145,7 +145,9 @@ class DecodeConfig:
     the softmax runs (the same arithmetic in the same order), and with `s_under_rescale` (research) issues the next
     pair's S (at 64 rows its first chain) before the P barrier instead of after it; `kv_prefetch` (research, 0-8)
     has its load warp prefetch the chunk that many ahead of each TMA load into L2 (`ptx.prefetch_l2_bulk`), before
-    it waits for that load's stage. `rope_rows` (64 with `default_deep_ring`; the chunk_pairs schedule with
+    it waits for that load's stage; `kv_load_copies` (research, 1 or 2) issues each chunk's boxes that many times
+    into its stage (the same bytes again, from L2): what another pass of the KV from L2 into the SMs costs, the
+    traffic a second row block adds and TMA multicast would save. `rope_rows` (64 with `default_deep_ring`; the chunk_pairs schedule with
     whole-chunk boxes) keeps the rope of the ring's chunks and of Q in 64-byte rows in the 64B swizzle instead of
     128-byte rows half zero (36 KB stages instead of 40), and `p_after_pv` (research, with pv_behind) keeps each
     pair's P words in registers until P.V of the pair before is done in both MMA warpgroups and stores them then,
@@ -202,6 +204,7 @@ class DecodeConfig:
     pv_behind: int = 0
     s_under_rescale: bool = False
     kv_prefetch: int = 0
+    kv_load_copies: int = 1
     rope_rows: int = 128
     p_after_pv: bool = False
     pv_second_per_tile: bool = False
@@ -295,6 +298,9 @@ class DecodeConfig:
         if not 0 <= self.kv_prefetch <= 8 or (self.kv_prefetch and not self.chunk_pairs):
             raise ValueError(f"kv_prefetch is 0 (off) to 8 (chunks ahead of its TMA load prefetched into L2) in the "
                              f"chunk_pairs schedule, got {self.kv_prefetch}")
+        if self.kv_load_copies not in (1, 2) or (self.kv_load_copies != 1 and not self.chunk_pairs):
+            raise ValueError(f"kv_load_copies is 1 or 2 (times each chunk's boxes are issued) in the chunk_pairs "
+                             f"schedule, got {self.kv_load_copies}")
         if self.rope_rows not in ROPE_ROWS or (self.rope_rows != ROPE_ROWS[0] and not (self.chunk_pairs and
                                                                                     self.kv_box_tokens == 64)):
             raise ValueError(f"rope_rows is one of {ROPE_ROWS} (bytes a row of the rope's block), and 64 a layout of "

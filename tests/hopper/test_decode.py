@@ -269,7 +269,9 @@ DEEP_RING = {"pv_behind": 3, "rope_rows": 64, "p_after_pv": True, "num_stages": 
     (16, 4, 32, {"s_after_pv": True}), (12, 8, 64, {"s_after_pv": True, "timeline": 0}),
     # the waits for a pair's chunks under its S
     (128, 1, 64, {"stages_under_s": True}), (12, 8, 32, {**ROWS_48, "stages_under_s": True}),
-    (128, 1, 64, {"stages_under_s": True, "s_after_pv": True})])
+    (128, 1, 64, {"stages_under_s": True, "s_after_pv": True}),
+    # each chunk's boxes issued twice (kv_load_copies): whole- and half-chunk boxes
+    (128, 1, 64, {"kv_load_copies": 2}), (16, 4, 32, {"tile_tokens": 32, "kv_load_copies": 2})])
 def test_chunk_pairs_builds_compile(heads, q_len, page_size, options):
     """The chunk-pairs schedule (`DecodeConfig.chunk_pairs`, research) compiles at 48 and 64 rows with 4 ring
     stages, for both P precisions, one or two S chains, half- and whole-chunk boxes, padding rows, S issued a pair
@@ -438,6 +440,9 @@ def test_chunk_pairs_is_checked():
                              ({"s_under_rescale": True}, "s_under_rescale is an order of pv_behind"),
                              ({"kv_prefetch": 9}, "kv_prefetch is 0"),
                              ({"kv_prefetch": 2, "chunk_pairs": False}, "kv_prefetch is 0"),
+                             ({"kv_load_copies": 3}, "kv_load_copies is 1 or 2"),
+                             ({"kv_load_copies": 0}, "kv_load_copies is 1 or 2"),
+                             ({"kv_load_copies": 2, "chunk_pairs": False}, "kv_load_copies is 1 or 2"),
                              ({"rope_rows": 32}, "rope_rows is one of"),
                              ({"rope_rows": 64, "chunk_pairs": False}, "rope_rows is one of"),
                              ({"rope_rows": 64, "kv_box_tokens": 32}, "rope_rows is one of"),
@@ -526,7 +531,9 @@ QREGS = {"q_in_registers": True}
     (64, 1, 64, 64, 2, {"s_after_pv": True}), (16, 4, 64, None, 1, {"s_after_pv": True, "kv_box_tokens": 32}),
     # the warpgroups a phase apart: the leader's and the follower's loops, each with O^T's second rescale
     (128, 1, 64, 64, 1, {"pair_stagger": True}), (12, 8, 64, 64, 1, {"pair_stagger": True}),
-    (16, 4, 64, None, 1, {"pair_stagger": True, "kv_box_tokens": 32})])
+    (16, 4, 64, None, 1, {"pair_stagger": True, "kv_box_tokens": 32}),
+    # each chunk's boxes issued twice in the load warpgroup's 40 registers, whole- and half-chunk boxes
+    (128, 1, 64, 64, 1, {"kv_load_copies": 2}), (16, 4, 64, None, 1, {"kv_load_copies": 2, "kv_box_tokens": 32})])
 def test_no_spills(tmp_path, num_heads, q_len, page_size, rows, planes, options):
     ptxas = ptxas_path()
     assert ptxas, "ptxas (pip install 'cute-mla-fp8[test]' brings it) is needed: the spill check is part of the CPU suite"
@@ -1008,6 +1015,21 @@ def test_kv_prefetch_changes_no_bit_gpu(num_heads, q_len, page_size, tile_tokens
     plain, ahead = (decode_config(num_heads, q_len, page_size, tile_tokens=tile_tokens, **PAIRS, **base, **extra)
                     for extra in ({}, {"kv_prefetch": options["kv_prefetch"]}))
     _assert_launches_agree(plain, ahead, [1, 700, 3000, 64, 20000, 129, 0, 4100], seed=23, num_ctas=10,
+                           tile_tokens=tile_tokens)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_heads,q_len,page_size,tile_tokens,options", [
+    (128, 1, 64, 64, {}), (16, 4, 64, 32, {"kv_box_tokens": 32}), (12, 8, 64, 64, {"s_after_pv": True})])
+def test_kv_load_copies_change_no_bit_gpu(num_heads, q_len, page_size, tile_tokens, options):
+    """Each chunk's boxes issued twice (`kv_load_copies`, research) write the same bytes into the same stage and the
+    stage waits for both: every output and lse bit equals the build that issues them once, over segments of odd and
+    even chunk counts and chunks past the segment's end (zero-filled boxes)."""
+    from mla_backend.config import decode_config
+
+    once, twice = (decode_config(num_heads, q_len, page_size, tile_tokens=tile_tokens, **PAIRS, **options, **extra)
+                   for extra in ({}, {"kv_load_copies": 2}))
+    _assert_launches_agree(once, twice, [1, 700, 3000, 64, 20000, 129, 0, 4100], seed=29, num_ctas=10,
                            tile_tokens=tile_tokens)
 
 
