@@ -76,7 +76,8 @@ VARIANT_FIELDS = {"rows_per_block": int, "num_stages": int, "p_planes": int, "p_
                   "s_chains": int, "q_in_registers": _flag, "chunk_pairs": _flag,
                   "s_ahead": _flag, "p_exp2_fma": int, "mma_registers": int,
                   "own_chunk_first": _flag, "early_rescale": _flag, "pv_behind": int,
-                  "s_under_rescale": _flag, "kv_prefetch": int, "kv_load_copies": int, "rope_rows": int, "p_after_pv": _flag,
+                  "s_under_rescale": _flag, "kv_prefetch": int, "kv_load_copies": int, "rope_rows": int,
+                  "p_after_pv": _flag,
                   "pv_second_per_tile": _flag, "s_between_pv": _flag, "s_after_pv": _flag,
                   "stages_under_s": _flag, "vt_smem": _flag,
                   "pair_rescale_skip": _flag, "pair_stagger": int}
