@@ -145,12 +145,12 @@ class DecodeConfig:
     the softmax runs (the same arithmetic in the same order), and with `s_under_rescale` (research) issues the next
     pair's S (at 64 rows its first chain) before the P barrier instead of after it; `kv_prefetch` (research, 0-8)
     has its load warp prefetch the chunk that many ahead of each TMA load into L2 (`ptx.prefetch_l2_bulk`), before
-    it waits for that load's stage; `kv_load_copies` (research, 1 or 2) issues each chunk's boxes that many times
-    into its stage (the same bytes again, from L2): what another pass of the KV from L2 into the SMs costs, the
-    traffic a second row block adds and TMA multicast would save. `rope_rows` (64 with `default_deep_ring`; the
-    chunk_pairs schedule with whole-chunk boxes) keeps the rope of the ring's chunks and of Q in 64-byte rows in
-    the 64B swizzle instead of 128-byte rows half zero (36 KB stages instead of 40), and `p_after_pv` (research, with pv_behind) keeps each
-    pair's P words in registers until P.V of the pair before is done in both MMA warpgroups and stores them then,
+    it waits for that load's stage; `kv_load_copies` (research, 1 or 2) issues each chunk's boxes that many times into
+    its stage (the same bytes again, from L2): what another pass of the KV from L2 into the SMs costs, the traffic a
+    second row block adds and TMA multicast would save. `rope_rows` (64 with `default_deep_ring`; the chunk_pairs
+    schedule with whole-chunk boxes) keeps the rope of the ring's chunks and of Q in 64-byte rows in the 64B swizzle
+    instead of 128-byte rows half zero (36 KB stages instead of 40), and `p_after_pv` (research, with pv_behind) keeps
+    each pair's P words in registers until P.V of the pair before is done in both MMA warpgroups and stores them then,
     into one pair's P buffers instead of two pairs': with both, 5 ring stages fit at 64 rows with P.V a pair behind.
     `pv_second_per_tile` (research; the phase-after-phase form at 48 rows, where all of the second chunk's V^T loads
     under the first chunk's P.V) loads that V^T a dim tile at a time and issues each tile's P.V wgmmas as soon as
