@@ -56,6 +56,7 @@ class MLADecodeSM90(PagedKVLoads, OnlineSoftmax, DecodeMMA, DecodeEpilogue):
     s_rows_spread = False  # S^T's buffer rows spread over the banks (`decode_layout.s_logical_row`)
     ring_mbarriers = 1  # mbarriers per ring stage: "chunk landed" (TMA loads), and where 2 also "chunk read"
     launch_bounds: dict = {}
+    launch_cluster: dict = {}  # a schedule that runs its CTAs in clusters gives `cluster=` here
 
     def __init__(self, cfg: DecodeConfig):
         self.cfg = cfg
@@ -168,6 +169,7 @@ class MLADecodeSM90(PagedKVLoads, OnlineSoftmax, DecodeMMA, DecodeEpilogue):
             stream=stream,
             use_pdl=self.cfg.pdl,
             **self.launch_bounds,
+            **self.launch_cluster,
         )
 
     @cute.kernel

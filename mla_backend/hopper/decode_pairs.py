@@ -62,7 +62,11 @@ stage's "read" mbarrier says both P.V warpgroups are done with the chunk it held
 its V^T loads of that chunk; the owner's S was waited for before); its 128 threads copy Q by cp.async at a segment's
 start and arrive on PAIR_Q_BAR once it landed. With `kv_prefetch` (research, measured slower) warp 0 also prefetches
 the chunk that many ahead into L2 before each wait for a stage, so that a load issued late (P.V a pair behind
-releases a pair's stages during the next pair) finds its bytes in L2 rather than in DRAM. The chunks are counted
+releases a pair's stages during the next pair) finds its bytes in L2 rather than in DRAM. With `kv_multicast`
+(research, not yet run on a GPU) row blocks 2k and 2k + 1 of a plan CTA run as a 2-CTA cluster, which reads the
+same chunks in both CTAs: the P.V threads of both arrive on both CTAs' "read" mbarriers (`_arrive_read`), and the two
+load warps take turns, by chunk, issuing its boxes multicast into both CTAs' stage, each expecting the bytes on its
+own "landed" mbarrier: one L2 read of each chunk for the two row blocks instead of two. The chunks are counted
 over the CTA's segments, so each stage's mbarrier phases follow from the count. A segment's last chunk is zeroed
 past its end by the warpgroup that computes its S, before that S (both warpgroups read its V^T only after the P
 barrier). A chunk past the segment's end (warpgroup 1's in a pair that has one chunk, and with S ahead the pair
@@ -122,8 +126,8 @@ from .decode_common import CTAContext, MLADecodeSM90
 from .decode_layout import (CHUNK, SOFTMAX_THREADS, WARPGROUP, p_buffer_bytes, p_words_layout, q_bytes,
                             smem_region_bytes, stage_bytes)
 from .decode_mma import VT_HALF_BYTES
-from .ptx import (barrier_any, exp2_fma, fence_operand, fence_proxy_async_smem, quantize_p_e4m3, quantize_p_hi_lo,
-                  wgmma_commit, wgmma_fence, wgmma_wait)
+from .ptx import (barrier_any, exp2_fma, fence_operand, fence_proxy_async_smem, mbarrier_arrive_peer, quantize_p_e4m3,
+                  quantize_p_hi_lo, wgmma_commit, wgmma_fence, wgmma_wait)
 from .softmax import max_tree
 
 PAIRS_REGS_MMA, PAIRS_REGS_LOAD = 232, 40
@@ -168,7 +172,12 @@ class MLADecodePairsSM90(MLADecodeSM90):
     num_threads = SOFTMAX_THREADS + WARPGROUP
     # maxntid and one CTA per SM, so that ptxas gives the setmaxnreg regions their budgets (`decode_swg.py`)
     launch_bounds = dict(max_number_threads=[SOFTMAX_THREADS + WARPGROUP, 1, 1], min_blocks_per_mp=1)
-    ring_mbarriers = 2  # per stage "landed" (TMA) and "read" (both P.V warpgroups)
+    ring_mbarriers = 2  # per stage "landed" (TMA) and "read" (both P.V warpgroups; with kv_multicast both CTAs')
+
+    @property
+    def launch_cluster(self) -> dict:
+        """With `kv_multicast` row blocks 2k and 2k + 1 of a plan CTA (the grid's first dimension) as a cluster."""
+        return {"cluster": [2, 1, 1]} if self.cfg.kv_multicast else {}
 
     def __init__(self, cfg):
         super().__init__(cfg)
@@ -216,16 +225,32 @@ class MLADecodePairsSM90(MLADecodeSM90):
         if cta.tidx == SOFTMAX_THREADS:
             for st in cutlass.range_constexpr(NS):
                 cute.arch.mbarrier_init(bars + st, 1)  # landed: the issuing lane's expect-tx arrival
-                cute.arch.mbarrier_init(bars + NS + st, SOFTMAX_THREADS)  # read: every P.V thread
+                # read: every P.V thread (`_arrive_read`), with kv_multicast those of both CTAs of the cluster
+                cute.arch.mbarrier_init(bars + NS + st, SOFTMAX_THREADS * (2 if self.cfg.kv_multicast else 1))
             cute.arch.mbarrier_init_fence()
-        cute.arch.barrier()  # the mbarriers are initialised before anyone waits on or arrives at them
+        if cutlass.const_expr(self.cfg.kv_multicast):
+            # both CTAs' mbarriers initialised before either multicasts into or arrives at the other's
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
+        else:
+            cute.arch.barrier()  # the mbarriers are initialised before anyone waits on or arrives at them
         g = cta.mCtaTileStart[cta.cta]
         g_end = cta.mCtaTileStart[cta.cta + 1]
         b = cta.mCtaFirstReq[cta.cta]
         if cta.wg == 2:
             self._load_warpgroup(cta, g, g_end, b)
+            self._leave_cluster()
         else:
             self._mma_warpgroups(cta, g, g_end, b)
+            self._leave_cluster()
+
+    @cute.jit
+    def _leave_cluster(self):
+        """With `kv_multicast`: neither CTA of the cluster leaves while the other may still multicast into it or arrive
+        at its mbarriers (in each warpgroup's own branch, under its own register budget)."""
+        if cutlass.const_expr(self.cfg.kv_multicast):
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
 
     # ------------------------------------------------------------------------------ warpgroup 2: the loads
     @cute.jit
@@ -294,7 +319,12 @@ class MLADecodePairsSM90(MLADecodeSM90):
         # the P.V threads read the stage by ldmatrix (the generic proxy) and TMA (the async proxy) writes it
         # next: a proxy fence on the path from those reads to these writes (`decode_swg_tma._refill`)
         fence_proxy_async_smem()
-        self._issue_chunk_tma(cta, boxes, bars + stage, page_a, page_b, tok0, stage)
+        issue = True
+        if cutlass.const_expr(self.cfg.kv_multicast):
+            # the chunk's boxes land in both CTAs' stage, which the wait above found read in both (`_arrive_read`):
+            # the CTAs of the cluster take turns issuing them, by chunk; each expects them on its own mbarrier
+            issue = v % 2 == cute.arch.block_idx()[0] % 2
+        self._issue_chunk_tma(cta, boxes, bars + stage, page_a, page_b, tok0, stage, issue)
         self._stamp(cta, lead, j, 1)  # "boxes issued"
 
     # ----------------------------------------------------------------- warpgroups 0 and 1: S, softmax, P.V
@@ -625,11 +655,9 @@ class MLADecodePairsSM90(MLADecodeSM90):
                                                                       m1)
         stage0, stage1, has_c1 = self._pair_stages(cta, seg, pr)
         p_addr = cta.storage.p.data_ptr().toint()
-        bars = cta.storage.kv_full.data_ptr()
-        NS = self.cfg.num_stages
         a0 = self._load_vt(cta.ring_addr + stage0 * self.stage_bytes, cta.wg * 4, cta.wl, cta.lane)
         if has_c1:  # (a missing second chunk reads chunk c0's V^T again below)
-            cute.arch.mbarrier_arrive(bars + NS + stage0)
+            self._arrive_read(cta, stage0)
         self._stamp(cta, lead, pr, 8 + 8 * cta.wg + 4)  # "V^T loaded" (the first chunk's)
         self._rescale_o(acc_O, sAlpha[None, cta.wg], cta.lt, self.cfg.unit_rescale_skip)
         self._issue_pv_regs(acc_O, a0, p_addr, 0)
@@ -637,12 +665,12 @@ class MLADecodePairsSM90(MLADecodeSM90):
             # 48 rows: beside O^T's 96 registers the second chunk's V^T fits while the first's is in flight, so it
             # loads under P.V(c0) (ptxas spills for it at 64 rows, 52 bytes, and with Q in registers, 60)
             a1 = self._load_vt(cta.ring_addr + stage1 * self.stage_bytes, cta.wg * 4, cta.wl, cta.lane)
-            cute.arch.mbarrier_arrive(bars + NS + stage1)  # stage0 where the second chunk is missing
+            self._arrive_read(cta, stage1)  # stage0 where the second chunk is missing
             self._wait_mma(acc_O)  # the next S's first chain and P.V(c0)
         else:
             self._wait_mma(acc_O)  # the next S's first chain and P.V(c0): a0's registers are free
             a1 = self._load_vt(cta.ring_addr + stage1 * self.stage_bytes, cta.wg * 4, cta.wl, cta.lane)
-            cute.arch.mbarrier_arrive(bars + NS + stage1)  # stage0 where the second chunk is missing
+            self._arrive_read(cta, stage1)  # stage0 where the second chunk is missing
         self._issue_pv_regs(acc_O, a1, p_addr + p_buffer_bytes(self.rows, self.cfg.p_planes), 0)
         self._stamp(cta, lead, pr, 8 + 8 * cta.wg + 5)  # "P.V issued"
         self._wait_mma(acc_O)  # P.V(c1): a1's registers are free for the next S's second chain
@@ -753,8 +781,6 @@ class MLADecodePairsSM90(MLADecodeSM90):
         before them counts too), and its wgmmas as a commit group of their own. Each chunk's stage is released once
         its last V^T is loaded."""
         if cutlass.const_expr(u < PV_UNITS):
-            NS = self.cfg.num_stages
-            bars = cta.storage.kv_full.data_ptr()
             c, t = u // 4, u % 4
             stage = pending.stage0 if c == 0 else pending.stage1
             if cutlass.const_expr(u >= self.cfg.pv_behind):
@@ -762,9 +788,9 @@ class MLADecodePairsSM90(MLADecodeSM90):
             a = self._load_vt(cta.ring_addr + stage * self.stage_bytes, cta.wg * 4 + t, cta.wl, cta.lane, 1)
             if cutlass.const_expr(u == 3):
                 if pending.has_c1:  # (else the second chunk reads the first's stage again)
-                    cute.arch.mbarrier_arrive(bars + NS + pending.stage0)
+                    self._arrive_read(cta, pending.stage0)
             if cutlass.const_expr(u == PV_UNITS - 1):
-                cute.arch.mbarrier_arrive(bars + NS + pending.stage1)  # stage0 where the second chunk is missing
+                self._arrive_read(cta, pending.stage1)  # stage0 where the second chunk is missing
                 self._stamp(cta, cta.tidx % WARPGROUP == 0, pending.stamp_pair, 8 + 8 * cta.wg + 4)  # "V^T loaded"
             wgmma_fence()
             self._pv_wgmmas(acc_O, lambda tt, ks: a[ks], pending.p0 if c == 0 else pending.p1, t, 0, 1)
@@ -1002,14 +1028,21 @@ class MLADecodePairsSM90(MLADecodeSM90):
         return stage0, stage1, has_c1
 
     @cute.jit
+    def _arrive_read(self, cta: CTAContext, stage: Int32):
+        """This thread's reads of a ring stage are done: an arrival on its "read" mbarrier, and with `kv_multicast`
+        on the other CTA's of the cluster as well, whose load warp multicasts into this CTA's stage in its turn."""
+        bar = cta.storage.kv_full.data_ptr() + self.cfg.num_stages + stage
+        cute.arch.mbarrier_arrive(bar)
+        if cutlass.const_expr(self.cfg.kv_multicast):
+            mbarrier_arrive_peer(bar.toint(), 1 - cute.arch.block_idx()[0] % 2)
+
+    @cute.jit
     def _release_pair_stages(self, cta: CTAContext, stage0: Int32, stage1: Int32, has_c1):
         """This thread's reads of pair pr's chunks are done (their S waited for, V^T in registers): arrive on the
         stages' "read" mbarriers."""
-        bars = cta.storage.kv_full.data_ptr()
-        NS = self.cfg.num_stages
-        cute.arch.mbarrier_arrive(bars + NS + stage0)
+        self._arrive_read(cta, stage0)
         if has_c1:
-            cute.arch.mbarrier_arrive(bars + NS + stage1)
+            self._arrive_read(cta, stage1)
 
     @cute.jit
     def _write_p(self, acc_S: cute.Tensor, sPw: cute.Tensor, scale_log2: Float32, use0: Float32, use1: Float32,

@@ -170,7 +170,8 @@ class PagedKVLoads:
         blocks, which lands in the ring's block-after-block layout (else None, None)."""
         BT = self.cfg.kv_box_tokens
         RR = self.cfg.rope_rows  # 64: the rope's boxes (whole chunks) are 64 bytes wide, in the 64B swizzle
-        op = cpasync.CopyBulkTensorTileG2SOp()
+        # with kv_multicast a box lands in both CTAs of the cluster (the issuing one names them in `mcast_mask`)
+        op = cpasync.CopyBulkTensorTileG2SMulticastOp() if self.cfg.kv_multicast else cpasync.CopyBulkTensorTileG2SOp()
         mKV3 = cute.make_tensor(p_kv, cute.make_layout((KV_DIM, self.cfg.page_size, num_pages),
                                                        stride=(1, KV_DIM, page_stride)))
         box = cute.make_composed_layout(swizzle128() if RR == 128 else swizzle64(), 0,
@@ -242,12 +243,14 @@ class PagedKVLoads:
 
     @cute.jit
     def _issue_chunk_tma(self, cta, boxes, bar: cute.Pointer, page_a: Int32, page_b: Int32, tok0: Int32,
-                         stage: Int32):
+                         stage: Int32, issue=True):
         """(one whole warp: CuTe's TMA copy elects one of its lanes) The chunk [tok0, tok0 + C) into ring stage
         `stage`: its halves on page_a and page_b (-1 past the segment end: zero-filled; whole-chunk boxes read
         page_a only), completing on the stage's mbarrier `bar`, whose one arrival (with the chunk's bytes) lane 0
         makes first. (A research build without loads only arrives on it; one with `kv_load_copies` 2 issues the
-        boxes twice, the same bytes into the same place, and expects both copies' bytes.)"""
+        boxes twice, the same bytes into the same place, and expects both copies' bytes; with `kv_multicast` the
+        stage's bytes come from the CTA of the cluster whose turn it is, `issue` in that one: this one only expects
+        them.)"""
         copies = self.cfg.kv_load_copies
         lane = cute.arch.lane_idx()
         if cutlass.const_expr(not self.cfg.runs("load")):
@@ -257,32 +260,35 @@ class PagedKVLoads:
             if lane == 0:
                 # what the chunk's boxes write, zero fill included: a ring stage (a copy)
                 cute.arch.mbarrier_arrive_and_expect_tx(bar, copies * stage_bytes(self.cfg.rope_rows))
-            for _ in cutlass.range_constexpr(copies):
-                self._issue_chunk_boxes(cta, boxes, bar, page_a, page_b, tok0, stage)
+            if issue:
+                for _ in cutlass.range_constexpr(copies):
+                    self._issue_chunk_boxes(cta, boxes, bar, page_a, page_b, tok0, stage)
 
     @cute.jit
     def _issue_chunk_boxes(self, cta, boxes, bar: cute.Pointer, page_a: Int32, page_b: Int32, tok0: Int32,
                            stage: Int32):
-        """(`_issue_chunk_tma`) The chunk's boxes, once, without the arrival."""
+        """(`_issue_chunk_tma`) The chunk's boxes, once, without the arrival (with `kv_multicast` into both CTAs of
+        the cluster, completing on each one's mbarrier at `bar`'s offset)."""
         P = self.cfg.page_size
         BT = self.cfg.kv_box_tokens
+        mc = {"mcast_mask": cutlass.Int16(0b11)} if self.cfg.kv_multicast else {}
         if cutlass.const_expr(BT == CHUNK):
             y = (tok0 % P) // CHUNK
             cute.copy(cta.tma_atom_latent, boxes.t_cache_latent[None, 0, y, 0, page_a],
-                      boxes.t_ring_latent[None, stage], tma_bar_ptr=bar)
+                      boxes.t_ring_latent[None, stage], tma_bar_ptr=bar, **mc)
             if cutlass.const_expr(self.cfg.rope_rows == 128):
                 cute.copy(cta.tma_atom, boxes.t_cache[None, KV_BLOCKS - 1, y, page_a],
-                          boxes.t_ring[None, (KV_BLOCKS - 1, 0, stage)], tma_bar_ptr=bar)
+                          boxes.t_ring[None, (KV_BLOCKS - 1, 0, stage)], tma_bar_ptr=bar, **mc)
             else:  # the rope as the ninth 64-byte box of the row
                 cute.copy(cta.tma_atom, boxes.t_cache[None, LATENT_BLOCKS * 2, y, page_a],
-                          boxes.t_ring[None, (0, 0, stage)], tma_bar_ptr=bar)
+                          boxes.t_ring[None, (0, 0, stage)], tma_bar_ptr=bar, **mc)
         else:
             for h in cutlass.range_constexpr(2):
                 page = page_a if h == 0 else page_b
                 y = ((tok0 + h * HALF) % P) // HALF
                 for kb in cutlass.range_constexpr(KV_BLOCKS):
                     cute.copy(cta.tma_atom, boxes.t_cache[None, kb, y, page], boxes.t_ring[None, (kb, h, stage)],
-                              tma_bar_ptr=bar)
+                              tma_bar_ptr=bar, **mc)
 
     @cute.jit
     def _zero_tail_tokens(self, sRing: cute.Tensor, zero16: cute.Tensor, n0: Int32, stage: Int32, tidx: Int32,

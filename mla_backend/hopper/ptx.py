@@ -17,6 +17,8 @@ kernel addresses its FP8 tiles itself and uses these primitives:
 - `cp_async_16_l2_128`: a 16-byte cp.async with the L2::128B prefetch hint, which CuTe's copy atom cannot express;
   `prefetch_l2_bulk`: a bulk prefetch of global bytes into L2 (`DecodeConfig.kv_prefetch`).
 - `barrier_any`: a named barrier that also ORs a predicate over the threads that pass it.
+- `mbarrier_arrive_peer`: an arrival on the mbarrier at the same shared-memory offset in another CTA of the
+  cluster (`DecodeConfig.kv_multicast`).
 - `sm_clock` / `store_global_u32`: the SM's cycle counter and a plain global store, for the timeline builds of the
   decode (config.DecodeConfig.timeline); `store_shared_v2_f32`: an 8-byte shared store of two floats.
 
@@ -376,6 +378,18 @@ def barrier_any(barrier_id: int, num_threads: int, pred, *, loc=None, ip=None):
         f"bar.red.or.pred p, {barrier_id}, {num_threads}, q;\n"
         "selp.s32 $0, 1, 0, p;\n}",
         "=r,r", True, loc, ip))
+
+
+@dsl_user_op
+def mbarrier_arrive_peer(smem_addr, peer_rank, *, loc=None, ip=None):
+    """One arrival on the mbarrier at shared-memory address smem_addr (this CTA's 32-bit window) in the cluster's CTA
+    of rank peer_rank (mapa), with the arrive's default semantics (release at CTA scope), as a TMA multicast
+    pipeline's consumers tell the other CTAs that a stage they write into is read."""
+    _asm(None, [Int32(smem_addr).ir_value(loc=loc, ip=ip), Int32(peer_rank).ir_value(loc=loc, ip=ip)],
+         "{\n.reg .b32 remote;\n"
+         "mapa.shared::cluster.u32 remote, $0, $1;\n"
+         "mbarrier.arrive.shared::cluster.b64 _, [remote];\n}",
+         "r,r", True, loc, ip)
 
 
 @dsl_user_op

@@ -25,6 +25,7 @@ def test_a_spec_is_field_value_pairs():
     assert bk.case_config((128, 1, 64, 1 << 17, 4), bk.parse_variant("pv_behind=3")).pv_behind == 3
     assert bk.case_config((64, 1, 64, 1 << 20, 2), bk.parse_variant("kv_prefetch=2")).kv_prefetch == 2
     assert bk.case_config((128, 1, 64, 1 << 20, 4), bk.parse_variant("kv_load_copies=2")).kv_load_copies == 2
+    assert bk.case_config((128, 2, 64, 1 << 17, 4), bk.parse_variant("kv_multicast=1")).kv_multicast
     deep = bk.case_config((128, 1, 64, 1 << 17, 4),
                           bk.parse_variant("pv_behind=3,rope_rows=64,p_after_pv=1,num_stages=5"))
     assert (deep.rope_rows, deep.p_after_pv, deep.num_stages) == (64, True, 5)

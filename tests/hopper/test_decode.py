@@ -271,7 +271,11 @@ DEEP_RING = {"pv_behind": 3, "rope_rows": 64, "p_after_pv": True, "num_stages": 
     (128, 1, 64, {"stages_under_s": True}), (12, 8, 32, {**ROWS_48, "stages_under_s": True}),
     (128, 1, 64, {"stages_under_s": True, "s_after_pv": True}),
     # each chunk's boxes issued twice (kv_load_copies): whole- and half-chunk boxes
-    (128, 1, 64, {"kv_load_copies": 2}), (16, 4, 32, {"tile_tokens": 32, "kv_load_copies": 2})])
+    (128, 1, 64, {"kv_load_copies": 2}), (16, 4, 32, {"tile_tokens": 32, "kv_load_copies": 2}),
+    # row blocks in 2-CTA clusters, each chunk multicast into both (kv_multicast): whole- and half-chunk boxes, four
+    # row blocks, a block of 32 rows and 32 of padding (not causal)
+    (128, 1, 64, {"kv_multicast": True}), (128, 2, 32, {"tile_tokens": 32, "kv_multicast": True}),
+    (12, 8, 64, {"kv_multicast": True, "causal": False, "s_after_pv": True})])
 def test_chunk_pairs_builds_compile(heads, q_len, page_size, options):
     """The chunk-pairs schedule (`DecodeConfig.chunk_pairs`, research) compiles at 48 and 64 rows with 4 ring
     stages, for both P precisions, one or two S chains, half- and whole-chunk boxes, padding rows, S issued a pair
@@ -443,6 +447,10 @@ def test_chunk_pairs_is_checked():
                              ({"kv_load_copies": 3}, "kv_load_copies is 1 or 2"),
                              ({"kv_load_copies": 0}, "kv_load_copies is 1 or 2"),
                              ({"kv_load_copies": 2, "chunk_pairs": False}, "kv_load_copies is 1 or 2"),
+                             ({"kv_multicast": True, "kv_load_copies": 2}, "kv_multicast is a form"),
+                             ({"kv_multicast": True, "kv_prefetch": 2}, "kv_multicast is a form"),
+                             ({"kv_multicast": True, "chunk_pairs": False}, "kv_multicast is a form"),
+                             ({"kv_multicast": True, "pair_stagger": 2}, "kv_multicast is a form"),
                              ({"rope_rows": 32}, "rope_rows is one of"),
                              ({"rope_rows": 64, "chunk_pairs": False}, "rope_rows is one of"),
                              ({"rope_rows": 64, "kv_box_tokens": 32}, "rope_rows is one of"),
@@ -533,7 +541,10 @@ QREGS = {"q_in_registers": True}
     (128, 1, 64, 64, 1, {"pair_stagger": True}), (12, 8, 64, 64, 1, {"pair_stagger": True}),
     (16, 4, 64, None, 1, {"pair_stagger": True, "kv_box_tokens": 32}),
     # each chunk's boxes issued twice in the load warpgroup's 40 registers, whole- and half-chunk boxes
-    (128, 1, 64, 64, 1, {"kv_load_copies": 2}), (16, 4, 64, None, 1, {"kv_load_copies": 2, "kv_box_tokens": 32})])
+    (128, 1, 64, 64, 1, {"kv_load_copies": 2}), (16, 4, 64, None, 1, {"kv_load_copies": 2, "kv_box_tokens": 32}),
+    # 2-CTA clusters with the KV multicast: the other CTA's arrivals beside O^T, with S's chain behind P.V too
+    (128, 1, 64, 64, 1, {"kv_multicast": True}), (128, 2, 64, 64, 1, {"kv_multicast": True, "s_after_pv": True}),
+    (128, 1, 64, 64, 1, {"kv_multicast": True, "kv_box_tokens": 32, "rope_rows": 128})])
 def test_no_spills(tmp_path, num_heads, q_len, page_size, rows, planes, options):
     ptxas = ptxas_path()
     assert ptxas, "ptxas (pip install 'cute-mla-fp8[test]' brings it) is needed: the spill check is part of the CPU suite"
@@ -1015,6 +1026,41 @@ def test_kv_prefetch_changes_no_bit_gpu(num_heads, q_len, page_size, tile_tokens
     plain, ahead = (decode_config(num_heads, q_len, page_size, tile_tokens=tile_tokens, **PAIRS, **base, **extra)
                     for extra in ({}, {"kv_prefetch": options["kv_prefetch"]}))
     _assert_launches_agree(plain, ahead, [1, 700, 3000, 64, 20000, 129, 0, 4100], seed=23, num_ctas=10,
+                           tile_tokens=tile_tokens)
+
+
+def test_kv_multicast_is_checked():
+    """`kv_multicast` pairs row blocks 2k and 2k + 1 in a cluster and loads each chunk once for both: only where
+    there is an even number of row blocks and each pair reads the same chunks (causal: the same last query
+    position, so that both CTAs of a cluster run the same chunks of every segment)."""
+    from mla_backend.config import decode_config
+
+    # H12 q_len 6: rows 0-63 and 64-71 both end at query position 5
+    for heads, q_len, causal in ((128, 1, True), (128, 2, True), (128, 8, True), (12, 8, False), (12, 6, True)):
+        cfg = decode_config(heads, q_len, 64, kv_multicast=True, causal=causal)
+        assert cfg.kv_multicast and cfg.num_row_blocks % 2 == 0
+    # H12 q_len 8: rows 0-63 end at query position 5, rows 64-95 at 7; H64 q_len 2 at 0 and 1 (causal); H64 and
+    # H16 q_len 4: one block
+    for heads, q_len in ((12, 8), (64, 2), (64, 1), (16, 4)):
+        with pytest.raises(ValueError, match="kv_multicast is a form"):
+            decode_config(heads, q_len, 64, kv_multicast=True)
+    assert not decode_config(128, 1, 64).kv_multicast
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_heads,q_len,page_size,tile_tokens,options", [
+    (128, 1, 64, 64, {}), (128, 2, 64, 32, {"kv_box_tokens": 32}), (128, 1, 64, 64, {"poison_smem": True}),
+    (12, 8, 64, 64, {"causal": False, "s_after_pv": True})])
+def test_kv_multicast_changes_no_bit_gpu(num_heads, q_len, page_size, tile_tokens, options):
+    """Row blocks in 2-CTA clusters whose load warps take turns multicasting each chunk into both (`kv_multicast`,
+    research) read the same bytes into the same stages: every output and lse bit equals the build whose CTAs load
+    their own, over segments of odd and even chunk counts, chunks past a segment's end, empty plan CTAs (10 plan
+    CTAs for 8 requests) and, with poisoned shared memory, no byte read before a multicast wrote it."""
+    from mla_backend.config import decode_config
+
+    own, shared = (decode_config(num_heads, q_len, page_size, tile_tokens=tile_tokens, **PAIRS, **options, **extra)
+                   for extra in ({}, {"kv_multicast": True}))
+    _assert_launches_agree(own, shared, [1, 700, 3000, 64, 20000, 129, 0, 4100], seed=37, num_ctas=10,
                            tile_tokens=tile_tokens)
 
 
