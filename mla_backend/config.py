@@ -147,10 +147,10 @@ class DecodeConfig:
     has its load warp prefetch the chunk that many ahead of each TMA load into L2 (`ptx.prefetch_l2_bulk`), before
     it waits for that load's stage; `kv_load_copies` (research, 1 or 2) issues each chunk's boxes that many times into
     its stage (the same bytes again, from L2): what another pass of the KV from L2 into the SMs costs, the traffic a
-    second row block adds and TMA multicast would save; `kv_multicast` (research; an even number of row blocks whose
-    pairs see the same tokens) launches the row blocks in 2-CTA clusters, each pair of the same plan CTA, whose load
-    warps take turns issuing a chunk's boxes, multicast into both CTAs' stages: one L2 read of each chunk for two
-    row blocks. `rope_rows` (64 with `default_deep_ring`; the chunk_pairs
+    second row block adds and TMA multicast would save; `kv_multicast` (research; an even number of row blocks)
+    launches the row blocks in 2-CTA clusters, each pair of the same plan CTA and trimming its segments (causal) at
+    the pair's last query position, whose load warps take turns issuing a chunk's boxes, multicast into both CTAs'
+    stages: one L2 read of each chunk for two row blocks. `rope_rows` (64 with `default_deep_ring`; the chunk_pairs
     schedule with whole-chunk boxes) keeps the rope of the ring's chunks and of Q in 64-byte rows in the 64B swizzle
     instead of 128-byte rows half zero (36 KB stages instead of 40), and `p_after_pv` (research, with pv_behind) keeps
     each pair's P words in registers until P.V of the pair before is done in both MMA warpgroups and stores them then,
@@ -307,10 +307,9 @@ class DecodeConfig:
                              f"schedule, got {self.kv_load_copies}")
         if self.kv_multicast and (not self.chunk_pairs or self.kv_load_copies != 1 or self.kv_prefetch
                                   or not self.runs("load") or self.pair_stagger or self.vt_smem
-                                  or not self.row_block_pairs_see_alike):
+                                  or self.num_row_blocks % 2):
             raise ValueError("kv_multicast is a form of the chunk_pairs schedule's loads for an even number of row "
-                             "blocks whose pairs see the same tokens (causal: the same last query position), without "
-                             "kv_load_copies, kv_prefetch, pair_stagger, vt_smem or skip={'load'}")
+                             "blocks, without kv_load_copies, kv_prefetch, pair_stagger, vt_smem or skip={'load'}")
         if self.rope_rows not in ROPE_ROWS or (self.rope_rows != ROPE_ROWS[0] and not (self.chunk_pairs and
                                                                                     self.kv_box_tokens == 64)):
             raise ValueError(f"rope_rows is one of {ROPE_ROWS} (bytes a row of the rope's block), and 64 a layout of "
@@ -380,16 +379,6 @@ class DecodeConfig:
     @property
     def num_row_blocks(self) -> int:
         return -(-self.num_rows // self.rows_per_block)
-
-    @property
-    def row_block_pairs_see_alike(self) -> bool:
-        """Whether row blocks 2k and 2k + 1 exist in pairs and read the same chunks of every segment: not causal, or
-        the last query position of their rows the same (`kv_multicast` loads a chunk once for both)."""
-        n = self.num_row_blocks
-        if n % 2:
-            return False
-        last = [(min((rb + 1) * self.rows_per_block, self.num_rows) - 1) // self.num_heads for rb in range(n)]
-        return not self.causal or all(last[rb] == last[rb + 1] for rb in range(0, n, 2))
 
     @property
     def skips_unit_rescale(self) -> bool:

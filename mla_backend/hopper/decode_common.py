@@ -243,9 +243,14 @@ class MLADecodeSM90(PagedKVLoads, OnlineSoftmax, DecodeMMA, DecodeEpilogue):
             sRingRope=rope_ring, sQRope=rope_q,
             sInvL=storage.inv_l.get_tensor(cute.make_layout((self.rows,))),
             ring_addr=storage.ring.data_ptr().toint(), q_addr=storage.q.data_ptr().toint(),
-            # the last query position among this block's rows that exist (for causal trimming)
-            t_last=(cutlass.min(row0 + self.rows, self.cfg.num_rows) - 1) // self.cfg.num_heads,
+            t_last=self._last_query_position(rb),
             zero16=zero16, tl_base=tl_base, tl_on=tl_on))
+
+    @cute.jit
+    def _last_query_position(self, rb: Int32) -> Int32:
+        """The last query position among row block rb's rows that exist: no row of the block sees a token past
+        L - q_len + it (causal trimming of a segment's tokens, `_segment`)."""
+        return (cutlass.min((rb + 1) * self.rows, self.cfg.num_rows) - 1) // self.cfg.num_heads
 
     @cute.jit
     def _poison_smem(self, storage, tidx: Int32):

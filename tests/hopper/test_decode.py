@@ -273,9 +273,9 @@ DEEP_RING = {"pv_behind": 3, "rope_rows": 64, "p_after_pv": True, "num_stages": 
     # each chunk's boxes issued twice (kv_load_copies): whole- and half-chunk boxes
     (128, 1, 64, {"kv_load_copies": 2}), (16, 4, 32, {"tile_tokens": 32, "kv_load_copies": 2}),
     # row blocks in 2-CTA clusters, each chunk multicast into both (kv_multicast): whole- and half-chunk boxes, four
-    # row blocks, a block of 32 rows and 32 of padding (not causal)
+    # row blocks, a block of 32 rows and 32 of padding
     (128, 1, 64, {"kv_multicast": True}), (128, 2, 32, {"tile_tokens": 32, "kv_multicast": True}),
-    (12, 8, 64, {"kv_multicast": True, "causal": False, "s_after_pv": True})])
+    (12, 8, 64, {"kv_multicast": True, "s_after_pv": True})])
 def test_chunk_pairs_builds_compile(heads, q_len, page_size, options):
     """The chunk-pairs schedule (`DecodeConfig.chunk_pairs`, research) compiles at 48 and 64 rows with 4 ring
     stages, for both P precisions, one or two S chains, half- and whole-chunk boxes, padding rows, S issued a pair
@@ -1031,17 +1031,13 @@ def test_kv_prefetch_changes_no_bit_gpu(num_heads, q_len, page_size, tile_tokens
 
 def test_kv_multicast_is_checked():
     """`kv_multicast` pairs row blocks 2k and 2k + 1 in a cluster and loads each chunk once for both: only where
-    there is an even number of row blocks and each pair reads the same chunks (causal: the same last query
-    position, so that both CTAs of a cluster run the same chunks of every segment)."""
+    there is an even number of row blocks."""
     from mla_backend.config import decode_config
 
-    # H12 q_len 6: rows 0-63 and 64-71 both end at query position 5
-    for heads, q_len, causal in ((128, 1, True), (128, 2, True), (128, 8, True), (12, 8, False), (12, 6, True)):
-        cfg = decode_config(heads, q_len, 64, kv_multicast=True, causal=causal)
+    for heads, q_len in ((128, 1), (128, 2), (128, 8), (12, 8), (64, 2)):
+        cfg = decode_config(heads, q_len, 64, kv_multicast=True)
         assert cfg.kv_multicast and cfg.num_row_blocks % 2 == 0
-    # H12 q_len 8: rows 0-63 end at query position 5, rows 64-95 at 7; H64 q_len 2 at 0 and 1 (causal); H64 and
-    # H16 q_len 4: one block
-    for heads, q_len in ((12, 8), (64, 2), (64, 1), (16, 4)):
+    for heads, q_len in ((64, 1), (16, 4), (96, 2)):  # one block of 64 rows; three
         with pytest.raises(ValueError, match="kv_multicast is a form"):
             decode_config(heads, q_len, 64, kv_multicast=True)
     assert not decode_config(128, 1, 64).kv_multicast
@@ -1050,12 +1046,13 @@ def test_kv_multicast_is_checked():
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_heads,q_len,page_size,tile_tokens,options", [
     (128, 1, 64, 64, {}), (128, 2, 64, 32, {"kv_box_tokens": 32}), (128, 1, 64, 64, {"poison_smem": True}),
-    (12, 8, 64, 64, {"causal": False, "s_after_pv": True})])
+    (12, 8, 64, 64, {"s_after_pv": True}), (12, 8, 64, 64, {"causal": False})])
 def test_kv_multicast_changes_no_bit_gpu(num_heads, q_len, page_size, tile_tokens, options):
     """Row blocks in 2-CTA clusters whose load warps take turns multicasting each chunk into both (`kv_multicast`,
     research) read the same bytes into the same stages: every output and lse bit equals the build whose CTAs load
     their own, over segments of odd and even chunk counts, chunks past a segment's end, empty plan CTAs (10 plan
-    CTAs for 8 requests) and, with poisoned shared memory, no byte read before a multicast wrote it."""
+    CTAs for 8 requests), at H12 q_len 8 causal the lower block's extra chunks (the pair's last query position,
+    every token past its rows' ends) and, with poisoned shared memory, no byte read before a multicast wrote it."""
     from mla_backend.config import decode_config
 
     own, shared = (decode_config(num_heads, q_len, page_size, tile_tokens=tile_tokens, **PAIRS, **options, **extra)
