@@ -194,13 +194,20 @@ def rise_keys(inp) -> None:
     inp.k_scale.fill_(1.0)
 
 
+def step_case(heads, q_len, page, kv_len, batch):
+    """The step bench's case (`mla_backend.bench.cases.Case`) of `batch` requests of kv_len tokens."""
+    from mla_backend.bench.cases import Case
+
+    return Case(f"H{heads} q{q_len} page {page} {kv_len} x B{batch}", [kv_len] * batch, heads, q_len, page)
+
+
 def make_inputs(heads, q_len, page, kv_len, batch, inputs="bench"):
     """The step bench's inputs for `batch` requests of kv_len tokens (`mla_backend.bench.cases.case_inputs`: random
     FP8 q and KV, seed 0, pages in random order), with its plan computed; `inputs="rising"` replaces the KV and
     the scales (`rise_keys`)."""
-    from mla_backend.bench.cases import Case, case_inputs
+    from mla_backend.bench.cases import case_inputs
 
-    case = Case(f"H{heads} q{q_len} page {page} {kv_len} x B{batch}", [kv_len] * batch, heads, q_len, page)
+    case = step_case(heads, q_len, page, kv_len, batch)
     inp = case_inputs(case)
     if inputs == "rising":
         rise_keys(inp)

@@ -102,14 +102,13 @@ def case_versions(case, peer, peer_path, decode, variants):
     """[(name, callable)] of one case: our step as a graph replay, the peer's, our decode alone and its variants."""
     import bench_decode_kernel as bk
 
-    from mla_backend.bench.cases import Case, case_inputs
+    import torch
+
+    from mla_backend.bench.cases import case_inputs
     from mla_backend.bench.timing import capture
     from mla_backend.hopper.decode import compile_decode
 
-    import torch
-
-    heads, q_len, page, kv_len, batch = case
-    bench_case = Case(f"H{heads} q{q_len} page {page} {kv_len} x B{batch}", [kv_len] * batch, heads, q_len, page)
+    bench_case = bk.step_case(*case)
     inp = case_inputs(bench_case)
 
     def step():

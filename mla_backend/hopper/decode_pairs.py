@@ -252,7 +252,7 @@ class MLADecodePairsSM90(MLADecodeSM90):
         do past theirs); else the block's own."""
         if cutlass.const_expr(self.cfg.kv_multicast):
             rb = rb - rb % 2 + 1
-        return (cutlass.min((rb + 1) * self.rows, self.cfg.num_rows) - 1) // self.cfg.num_heads
+        return MLADecodeSM90._last_query_position(self, rb)
 
     @cute.jit
     def _leave_cluster(self):
