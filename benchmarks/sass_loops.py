@@ -112,6 +112,7 @@ def compile_ptx(heads: int, q_len: int, page: int, overrides: dict, folder: str)
                PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p))
     env.pop("CUTE_MLA_KERNEL_CACHE", None)  # a kernel loaded from a cache directory leaves no PTX
     kw = {k: sorted(v) if isinstance(v, frozenset) else v for k, v in overrides.items()}
+    os.makedirs(folder, exist_ok=True)  # the DSL writes its PTX only into a folder that exists
     done = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps([[heads, q_len, page], kw])], env=env,
                           capture_output=True, text=True)
     if done.returncode:
