@@ -77,7 +77,7 @@ VARIANT_FIELDS = {"rows_per_block": int, "num_stages": int, "p_planes": int, "p_
                   "s_ahead": _flag, "p_exp2_fma": int, "mma_registers": int,
                   "own_chunk_first": _flag, "early_rescale": _flag, "pv_behind": int,
                   "s_under_rescale": _flag, "kv_prefetch": int, "kv_load_copies": int, "kv_multicast": _flag,
-                  "warp_read_arrivals": _flag, "rope_rows": int,
+                  "rope_rows": int,
                   "p_after_pv": _flag,
                   "pv_second_per_tile": _flag, "s_between_pv": _flag, "s_after_pv": _flag,
                   "stages_under_s": _flag, "vt_smem": _flag,

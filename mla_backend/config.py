@@ -150,9 +150,7 @@ class DecodeConfig:
     second row block adds and TMA multicast would save; `kv_multicast` (research; an even number of row blocks)
     launches the row blocks in 2-CTA clusters, each pair of the same plan CTA and trimming its segments (causal) at
     the pair's last query position, whose load warps take turns issuing a chunk's boxes, multicast into both CTAs'
-    stages: one L2 read of each chunk for two row blocks. `warp_read_arrivals` (research; the chunk_pairs schedule)
-    has one lane a warp arrive on a stage's "read" mbarrier (on each CTA's, with kv_multicast) once the warp's reads
-    of it are done, instead of every P.V thread: 8 arrivals a stage and CTA instead of 256. `rope_rows` (64 with `default_deep_ring`; the chunk_pairs
+    stages: one L2 read of each chunk for two row blocks. `rope_rows` (64 with `default_deep_ring`; the chunk_pairs
     schedule with whole-chunk boxes) keeps the rope of the ring's chunks and of Q in 64-byte rows in the 64B swizzle
     instead of 128-byte rows half zero (36 KB stages instead of 40), and `p_after_pv` (research, with pv_behind) keeps
     each pair's P words in registers until P.V of the pair before is done in both MMA warpgroups and stores them then,
@@ -211,7 +209,6 @@ class DecodeConfig:
     kv_prefetch: int = 0
     kv_load_copies: int = 1
     kv_multicast: bool = False
-    warp_read_arrivals: bool = False
     rope_rows: int = 128
     p_after_pv: bool = False
     pv_second_per_tile: bool = False
@@ -313,8 +310,6 @@ class DecodeConfig:
                                   or self.num_row_blocks % 2):
             raise ValueError("kv_multicast is a form of the chunk_pairs schedule's loads for an even number of row "
                              "blocks, without kv_load_copies, kv_prefetch, pair_stagger, vt_smem or skip={'load'}")
-        if self.warp_read_arrivals and not self.chunk_pairs:
-            raise ValueError("warp_read_arrivals is a form of the chunk_pairs schedule's stage releases")
         if self.rope_rows not in ROPE_ROWS or (self.rope_rows != ROPE_ROWS[0] and not (self.chunk_pairs and
                                                                                     self.kv_box_tokens == 64)):
             raise ValueError(f"rope_rows is one of {ROPE_ROWS} (bytes a row of the rope's block), and 64 a layout of "

@@ -176,12 +176,6 @@ class MLADecodePairsSM90(MLADecodeSM90):
     ring_mbarriers = 2  # per stage "landed" (TMA) and "read" (both P.V warpgroups; with kv_multicast both CTAs')
 
     @property
-    def read_arrivals(self) -> int:
-        """Arrivals that complete a phase of a stage's "read" mbarrier (`_arrive_read`)."""
-        per_cta = SOFTMAX_THREADS // (cute.arch.WARP_SIZE if self.cfg.warp_read_arrivals else 1)
-        return per_cta * (2 if self.cfg.kv_multicast else 1)
-
-    @property
     def launch_cluster(self) -> dict:
         """With `kv_multicast` row blocks 2k and 2k + 1 of a plan CTA (the grid's first dimension) as a cluster."""
         return {"cluster": [2, 1, 1]} if self.cfg.kv_multicast else {}
@@ -232,9 +226,8 @@ class MLADecodePairsSM90(MLADecodeSM90):
         if cta.tidx == SOFTMAX_THREADS:
             for st in cutlass.range_constexpr(NS):
                 cute.arch.mbarrier_init(bars + st, 1)  # landed: the issuing lane's expect-tx arrival
-                # read: every P.V thread (`_arrive_read`; one lane a warp with warp_read_arrivals), with
-                # kv_multicast those of both CTAs of the cluster
-                cute.arch.mbarrier_init(bars + NS + st, self.read_arrivals)
+                # read: every P.V thread (`_arrive_read`), with kv_multicast those of both CTAs of the cluster
+                cute.arch.mbarrier_init(bars + NS + st, SOFTMAX_THREADS * (2 if self.cfg.kv_multicast else 1))
             cute.arch.mbarrier_init_fence()
         if cutlass.const_expr(self.cfg.kv_multicast):
             # both CTAs' mbarriers initialised before either multicasts into or arrives at the other's
@@ -1047,20 +1040,11 @@ class MLADecodePairsSM90(MLADecodeSM90):
     @cute.jit
     def _arrive_read(self, cta: CTAContext, stage: Int32):
         """This thread's reads of a ring stage are done: an arrival on its "read" mbarrier, and with `kv_multicast`
-        on the other CTA's of the cluster as well, whose load warp multicasts into this CTA's stage in its turn
-        (with `warp_read_arrivals` the warp's, by its first lane)."""
+        on the other CTA's of the cluster as well, whose load warp multicasts into this CTA's stage in its turn."""
         bar = cta.storage.kv_full.data_ptr() + self.cfg.num_stages + stage
-        if cutlass.const_expr(self.cfg.warp_read_arrivals):
-            # the warp's lanes' reads (ldmatrix, wgmma: warp-collective) are done once the warp is converged here
-            cute.arch.sync_warp()
-            if cute.arch.lane_idx() == 0:
-                cute.arch.mbarrier_arrive(bar)
-                if cutlass.const_expr(self.cfg.kv_multicast):
-                    mbarrier_arrive_peer(bar.toint(), 1 - cute.arch.block_idx()[0] % 2)
-        else:
-            cute.arch.mbarrier_arrive(bar)
-            if cutlass.const_expr(self.cfg.kv_multicast):
-                mbarrier_arrive_peer(bar.toint(), 1 - cute.arch.block_idx()[0] % 2)
+        cute.arch.mbarrier_arrive(bar)
+        if cutlass.const_expr(self.cfg.kv_multicast):
+            mbarrier_arrive_peer(bar.toint(), 1 - cute.arch.block_idx()[0] % 2)
 
     @cute.jit
     def _release_pair_stages(self, cta: CTAContext, stage0: Int32, stage1: Int32, has_c1):

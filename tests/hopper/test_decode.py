@@ -275,10 +275,7 @@ DEEP_RING = {"pv_behind": 3, "rope_rows": 64, "p_after_pv": True, "num_stages": 
     # row blocks in 2-CTA clusters, each chunk multicast into both (kv_multicast): whole- and half-chunk boxes, four
     # row blocks, a block of 32 rows and 32 of padding
     (128, 1, 64, {"kv_multicast": True}), (128, 2, 32, {"tile_tokens": 32, "kv_multicast": True}),
-    (12, 8, 64, {"kv_multicast": True, "s_after_pv": True}),
-    # one lane a warp arriving on the stages' "read" mbarriers (with the multicast: on both CTAs')
-    (128, 1, 64, {"warp_read_arrivals": True}), (16, 4, 32, {"tile_tokens": 32, "warp_read_arrivals": True}),
-    (128, 2, 64, {"warp_read_arrivals": True, "kv_multicast": True})])
+    (12, 8, 64, {"kv_multicast": True, "s_after_pv": True})])
 def test_chunk_pairs_builds_compile(heads, q_len, page_size, options):
     """The chunk-pairs schedule (`DecodeConfig.chunk_pairs`, research) compiles at 48 and 64 rows with 4 ring
     stages, for both P precisions, one or two S chains, half- and whole-chunk boxes, padding rows, S issued a pair
@@ -454,7 +451,6 @@ def test_chunk_pairs_is_checked():
                              ({"kv_multicast": True, "kv_prefetch": 2}, "kv_multicast is a form"),
                              ({"kv_multicast": True, "chunk_pairs": False}, "kv_multicast is a form"),
                              ({"kv_multicast": True, "pair_stagger": 2}, "kv_multicast is a form"),
-                             ({"warp_read_arrivals": True, "chunk_pairs": False}, "warp_read_arrivals is a form"),
                              ({"rope_rows": 32}, "rope_rows is one of"),
                              ({"rope_rows": 64, "chunk_pairs": False}, "rope_rows is one of"),
                              ({"rope_rows": 64, "kv_box_tokens": 32}, "rope_rows is one of"),
@@ -548,10 +544,7 @@ QREGS = {"q_in_registers": True}
     (128, 1, 64, 64, 1, {"kv_load_copies": 2}), (16, 4, 64, None, 1, {"kv_load_copies": 2, "kv_box_tokens": 32}),
     # 2-CTA clusters with the KV multicast: the other CTA's arrivals beside O^T, with S's chain behind P.V too
     (128, 1, 64, 64, 1, {"kv_multicast": True}), (128, 2, 64, 64, 1, {"kv_multicast": True, "s_after_pv": True}),
-    (128, 1, 64, 64, 1, {"kv_multicast": True, "kv_box_tokens": 32, "rope_rows": 128}),
-    # one lane a warp arriving on the stages' "read" mbarriers, alone and with the multicast
-    (128, 1, 64, 64, 1, {"warp_read_arrivals": True}), (12, 8, 64, 64, 1, {"warp_read_arrivals": True}),
-    (128, 1, 64, 64, 1, {"warp_read_arrivals": True, "kv_multicast": True})])
+    (128, 1, 64, 64, 1, {"kv_multicast": True, "kv_box_tokens": 32, "rope_rows": 128})])
 def test_no_spills(tmp_path, num_heads, q_len, page_size, rows, planes, options):
     ptxas = ptxas_path()
     assert ptxas, "ptxas (pip install 'cute-mla-fp8[test]' brings it) is needed: the spill check is part of the CPU suite"
@@ -1065,23 +1058,6 @@ def test_kv_multicast_changes_no_bit_gpu(num_heads, q_len, page_size, tile_token
     own, shared = (decode_config(num_heads, q_len, page_size, tile_tokens=tile_tokens, **PAIRS, **options, **extra)
                    for extra in ({}, {"kv_multicast": True}))
     _assert_launches_agree(own, shared, [1, 700, 3000, 64, 20000, 129, 0, 4100], seed=37, num_ctas=10,
-                           tile_tokens=tile_tokens)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("num_heads,q_len,page_size,tile_tokens,options", [
-    (128, 1, 64, 64, {}), (16, 4, 64, 32, {"kv_box_tokens": 32}), (12, 8, 64, 64, {"s_after_pv": True}),
-    (128, 1, 64, 64, {"kv_multicast": True}), (12, 8, 64, 64, {"kv_multicast": True, "poison_smem": True})])
-def test_warp_read_arrivals_change_no_bit_gpu(num_heads, q_len, page_size, tile_tokens, options):
-    """One lane a warp arriving on a stage's "read" mbarrier once the warp's reads of it are done
-    (`warp_read_arrivals`, research), alone and with the multicast, releases no stage before its reads are done (a
-    stage released early would take the next chunk's bytes under a warp still reading it): every output and lse bit
-    equals the build whose threads all arrive, also with poisoned shared memory."""
-    from mla_backend.config import decode_config
-
-    each, warp = (decode_config(num_heads, q_len, page_size, tile_tokens=tile_tokens, **PAIRS, **options, **extra)
-                  for extra in ({}, {"warp_read_arrivals": True}))
-    _assert_launches_agree(each, warp, [1, 700, 3000, 64, 20000, 129, 0, 4100], seed=41, num_ctas=10,
                            tile_tokens=tile_tokens)
 
 
