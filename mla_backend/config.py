@@ -147,10 +147,11 @@ class DecodeConfig:
     has its load warp prefetch the chunk that many ahead of each TMA load into L2 (`ptx.prefetch_l2_bulk`), before
     it waits for that load's stage; `kv_load_copies` (research, 1 or 2) issues each chunk's boxes that many times into
     its stage (the same bytes again, from L2): what another pass of the KV from L2 into the SMs costs, the traffic a
-    second row block adds and TMA multicast would save; `kv_multicast` (research; an even number of row blocks)
-    launches the row blocks in 2-CTA clusters, each pair of the same plan CTA and trimming its segments (causal) at
-    the pair's last query position, whose load warps take turns issuing a chunk's boxes, multicast into both CTAs'
-    stages: one L2 read of each chunk for two row blocks. `rope_rows` (64 with `default_deep_ring`; the chunk_pairs
+    second row block adds and TMA multicast would save; `kv_multicast` (an even number of row blocks;
+    `default_kv_multicast`) launches the row blocks in 2-CTA clusters, each pair of the same plan CTA and trimming its
+    segments (causal) at the pair's last query position, whose load warps take turns issuing a chunk's boxes, multicast
+    into both CTAs' stages: one L2 read of each chunk for two row blocks. `rope_rows` (64 with `default_deep_ring`; the
+    chunk_pairs
     schedule with whole-chunk boxes) keeps the rope of the ring's chunks and of Q in 64-byte rows in the 64B swizzle
     instead of 128-byte rows half zero (36 KB stages instead of 40), and `p_after_pv` (research, with pv_behind) keeps
     each pair's P words in registers until P.V of the pair before is done in both MMA warpgroups and stores them then,
@@ -466,6 +467,21 @@ def default_deep_ring(research: dict, rows_per_block: int, p_planes: int, kv_box
             and not research.get("s_ahead") and not research.get("pv_behind") and "rope_rows" not in research)
 
 
+def default_kv_multicast(research: dict, num_rows: int, rows_per_block: int, p_planes: int) -> bool:
+    """Row blocks 2k and 2k + 1 of a plan CTA as a 2-CTA cluster sharing each chunk's load
+    (`DecodeConfig.kv_multicast`) wherever the chunk-pairs schedule runs an even number of row blocks with one P
+    plane (two planes not measured) and its loads as they are: the same arithmetic (outputs bit-identical), one L2
+    read of each chunk into the SMs for two row blocks. H100, decode alone: in the flushed bench (5 rounds, medians)
+    own loads -> multicast H128 q1 page 64 1M x B4 1148.2 -> 1142.6 us, 128K x B4 168.7 -> 169.6, q2 128K x B4 293.7
+    -> 295.6, H12 q8 1M x B1 288.5 -> 289.2 (within the run's spread); replayed back to back, where the GPU runs at
+    its power cap, H128 1M x B4 1316.5 -> 1271.6 us (SM clock 1455 -> 1508 MHz, energy a replay 918 -> 887 mJ), H12
+    q8 1M x B1 326.3 -> 315.5."""
+    return (bool(research.get("chunk_pairs")) and p_planes == 1 and -(-num_rows // rows_per_block) % 2 == 0
+            and research.get("kv_load_copies", 1) == 1 and not research.get("kv_prefetch")
+            and "load" not in research.get("skip", ()) and not research.get("pair_stagger")
+            and not research.get("vt_smem"))
+
+
 def p_planes_for(p_precision: str, rows_per_block: int) -> int:
     """e4m3 planes of P for a precision mode: one only where it is faster, above 16 rows (see P_PRECISIONS)."""
     check_p_precision(p_precision)
@@ -504,6 +520,8 @@ def decode_config(num_heads: int, q_len: int, page_size: int, *, tile_tokens: in
         research = {**research, "early_rescale": default_early_rescale(research, p_planes)}
     if "stages_under_s" not in research:
         research = {**research, "stages_under_s": default_stages_under_s(research)}
+    if "kv_multicast" not in research:
+        research = {**research, "kv_multicast": default_kv_multicast(research, num_heads * q_len, rows, p_planes)}
     return DecodeConfig(num_heads=num_heads, q_len=q_len, page_size=page_size, tile_tokens=tile_tokens,
                         causal=bool(causal), rows_per_block=rows,
                         num_stages=default_num_stages(rows) if num_stages is None else num_stages,

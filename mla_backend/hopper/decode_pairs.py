@@ -62,12 +62,12 @@ stage's "read" mbarrier says both P.V warpgroups are done with the chunk it held
 its V^T loads of that chunk; the owner's S was waited for before); its 128 threads copy Q by cp.async at a segment's
 start and arrive on PAIR_Q_BAR once it landed. With `kv_prefetch` (research, measured slower) warp 0 also prefetches
 the chunk that many ahead into L2 before each wait for a stage, so that a load issued late (P.V a pair behind
-releases a pair's stages during the next pair) finds its bytes in L2 rather than in DRAM. With `kv_multicast`
-(research, not yet run on a GPU) row blocks 2k and 2k + 1 of a plan CTA run as a 2-CTA cluster, which reads the same
-chunks in both CTAs (causal: both trim at the pair's last query position, `_last_query_position`): the P.V threads
-of both arrive on both CTAs' "read" mbarriers (`_arrive_read`), and the two load warps take turns, by chunk, issuing
-its boxes multicast into both CTAs' stage, each expecting the bytes on its own "landed" mbarrier: one L2 read of
-each chunk for the two row blocks instead of two. The chunks are counted
+releases a pair's stages during the next pair) finds its bytes in L2 rather than in DRAM. With `kv_multicast` (the
+default for an even number of row blocks with one P plane, `config.default_kv_multicast`) row blocks 2k and 2k + 1 of a
+plan CTA run as a 2-CTA cluster, which reads the same chunks in both CTAs (causal: both trim at the pair's last query
+position, `_last_query_position`): the P.V threads of both arrive on both CTAs' "read" mbarriers (`_arrive_read`), and
+the two load warps take turns, by chunk, issuing its boxes multicast into both CTAs' stage, each expecting the bytes on
+its own "landed" mbarrier: one L2 read of each chunk for the two row blocks instead of two. The chunks are counted
 over the CTA's segments, so each stage's mbarrier phases follow from the count. A segment's last chunk is zeroed
 past its end by the warpgroup that computes its S, before that S (both warpgroups read its V^T only after the P
 barrier). A chunk past the segment's end (warpgroup 1's in a pair that has one chunk, and with S ahead the pair

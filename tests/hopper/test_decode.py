@@ -1031,7 +1031,8 @@ def test_kv_prefetch_changes_no_bit_gpu(num_heads, q_len, page_size, tile_tokens
 
 def test_kv_multicast_is_checked():
     """`kv_multicast` pairs row blocks 2k and 2k + 1 in a cluster and loads each chunk once for both: only where
-    there is an even number of row blocks."""
+    there is an even number of row blocks; the default there with one P plane (`default_kv_multicast`), not with
+    two, one row block or an odd number, nor with the loads a research build changes."""
     from mla_backend.config import decode_config
 
     for heads, q_len in ((128, 1), (128, 2), (128, 8), (12, 8), (64, 2)):
@@ -1040,7 +1041,14 @@ def test_kv_multicast_is_checked():
     for heads, q_len in ((64, 1), (16, 4), (96, 2)):  # one block of 64 rows; three
         with pytest.raises(ValueError, match="kv_multicast is a form"):
             decode_config(heads, q_len, 64, kv_multicast=True)
-    assert not decode_config(128, 1, 64).kv_multicast
+    for heads, q_len in ((128, 1), (128, 2), (12, 8), (64, 2), (16, 8)):
+        assert decode_config(heads, q_len, 64).kv_multicast
+    for heads, q_len, options in ((64, 1, {}), (16, 4, {}), (96, 2, {}), (12, 1, {}),
+                                  (128, 1, {"p_precision": "fp8x2"}), (128, 1, {"chunk_pairs": False}),
+                                  (128, 1, {"kv_load_copies": 2}), (128, 1, {"kv_prefetch": 2}),
+                                  (128, 1, {"pair_stagger": 2}),
+                                  (128, 1, {"vt_smem": True}), (128, 1, {"skip": frozenset({"load"})})):
+        assert not decode_config(heads, q_len, 64, **options).kv_multicast, (heads, q_len, options)
 
 
 @pytest.mark.gpu
@@ -1048,15 +1056,15 @@ def test_kv_multicast_is_checked():
     (128, 1, 64, 64, {}), (128, 2, 64, 32, {"kv_box_tokens": 32}), (128, 1, 64, 64, {"poison_smem": True}),
     (12, 8, 64, 64, {"s_after_pv": True}), (12, 8, 64, 64, {"causal": False})])
 def test_kv_multicast_changes_no_bit_gpu(num_heads, q_len, page_size, tile_tokens, options):
-    """Row blocks in 2-CTA clusters whose load warps take turns multicasting each chunk into both (`kv_multicast`,
-    research) read the same bytes into the same stages: every output and lse bit equals the build whose CTAs load
-    their own, over segments of odd and even chunk counts, chunks past a segment's end, empty plan CTAs (10 plan
-    CTAs for 8 requests), at H12 q_len 8 causal the lower block's extra chunks (the pair's last query position,
+    """Row blocks in 2-CTA clusters whose load warps take turns multicasting each chunk into both (`kv_multicast`, the
+    default at these shapes) read the same bytes into the same stages: every output and lse bit equals the build whose
+    CTAs load their own, over segments of odd and even chunk counts, chunks past a segment's end, empty plan CTAs (10
+    plan CTAs for 8 requests), at H12 q_len 8 causal the lower block's extra chunks (the pair's last query position,
     every token past its rows' ends) and, with poisoned shared memory, no byte read before a multicast wrote it."""
     from mla_backend.config import decode_config
 
     own, shared = (decode_config(num_heads, q_len, page_size, tile_tokens=tile_tokens, **PAIRS, **options, **extra)
-                   for extra in ({}, {"kv_multicast": True}))
+                   for extra in ({"kv_multicast": False}, {"kv_multicast": True}))
     _assert_launches_agree(own, shared, [1, 700, 3000, 64, 20000, 129, 0, 4100], seed=37, num_ctas=10,
                            tile_tokens=tile_tokens)
 
