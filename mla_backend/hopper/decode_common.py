@@ -32,6 +32,8 @@ from .paged_kv import PagedKVLoads
 from .ptx import fence_proxy_async_smem, sm_clock, store_global_u32
 from .softmax import OnlineSoftmax
 
+SMALLEST_NORMAL_F32 = 1.1754943508222875e-38
+
 # timeline builds (config.DecodeConfig.timeline): stamps per chunk, and the plan CTAs (of every row block) stamped
 TIMELINE_SLOTS = 32
 TIMELINE_CTAS = 4
@@ -209,6 +211,11 @@ class MLADecodeSM90(PagedKVLoads, OnlineSoftmax, DecodeMMA, DecodeEpilogue):
         q_scale = mQScale[0]
         k_scale = mKScale[0]
         scale_log2 = scale_log2_base * q_scale * k_scale
+        # a zero scale (q_scale or k_scale 0: every score 0) would turn a masked score's -inf into 0 x -inf = NaN in
+        # the base-2 maxima and in P; the smallest normal float keeps every visible score's P at exp2(~0) = 1 and
+        # a masked one's at 0, as the reference's uniform softmax (a NaN scale stays NaN: NaN == 0 is false)
+        if scale_log2 == Float32(0.0):
+            scale_log2 = Float32(SMALLEST_NORMAL_F32)
 
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(SharedStorage)

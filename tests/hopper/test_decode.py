@@ -800,6 +800,35 @@ def test_matches_reference_gpu(num_heads, q_len, page_size, tile_tokens, causal,
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("num_heads,q_len,page_size,options", [(12, 8, 64, {}), (12, 8, 32, ROWS_48),
+                                                               (16, 2, 64, {}), (12, 8, 64, {"causal": False})])
+def test_zero_query_scale_matches_reference_gpu(num_heads, q_len, page_size, options):
+    """q_scale 0 makes every score 0: each row's output is the mean of the V it sees and its lse the log of their
+    count, as the reference's; rows whose segment lies past their causal end (requests shorter than q_len, the
+    lower row block of a cluster) see nothing (output 0, lse -inf), never NaN from 0 x -inf."""
+    sys.path.insert(0, os.path.join(REPO, "tests"))
+    from mla_inputs import make_decode_inputs
+
+    from mla_backend.config import decode_config
+    from mla_backend.plan import plan_splits
+    from mla_backend.reference import mla_decode_reference, relative_l2_error
+
+    lengths = [3, 700, 4097, 63, 20000, 1]
+    q, kv, bt, seq, qs, ks = make_decode_inputs(lengths, q_len=q_len, num_heads=num_heads, page_size=page_size,
+                                                device="cuda", seed=59)
+    qs = torch.zeros_like(qs)
+    causal = options.get("causal", True)
+    cfg = decode_config(num_heads, q_len, page_size, **options)
+    plan = plan_splits(seq, q_len=q_len, num_heads=num_heads, page_size=page_size, num_ctas=12)
+    got_out, got_lse = _decode_merged(cfg, q, kv, bt, seq, 576 ** -0.5, qs, ks, plan)
+    ref_out, ref_lse = mla_decode_reference(q, kv, bt, seq, softmax_scale=576 ** -0.5, q_scale=qs, k_scale=ks,
+                                            causal=causal)
+    assert not got_out.float().isnan().any() and not got_lse.isnan().any()
+    torch.testing.assert_close(got_lse, ref_lse, atol=2e-3, rtol=1e-3)
+    assert relative_l2_error(got_out, ref_out) < 3e-2
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("num_heads,q_len,page_size,options", [(128, 1, 64, {}), (16, 4, 64, {"s_chains": 1}),
                                                                (12, 8, 32, {**ROWS_48, **PAIRS}), (12, 8, 32, ROWS_48),
                                                                (12, 4, 64, {"kv_loads": "cp_async"}),
