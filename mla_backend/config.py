@@ -17,7 +17,7 @@ configurations built afterwards; no launch path reads the environment. README li
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import FrozenSet, Mapping, Optional
 
 from .shapes import SUPPORTED_PAGE_SIZES, check_shape, default_rows_per_block
@@ -151,11 +151,11 @@ class DecodeConfig:
     `default_kv_multicast`) launches the row blocks in 2-CTA clusters, each pair of the same plan CTA and trimming its
     segments (causal) at the pair's last query position, whose load warps take turns issuing a chunk's boxes, multicast
     into both CTAs' stages: one L2 read of each chunk for two row blocks. `rope_rows` (64 with `default_deep_ring`; the
-    chunk_pairs
-    schedule with whole-chunk boxes) keeps the rope of the ring's chunks and of Q in 64-byte rows in the 64B swizzle
-    instead of 128-byte rows half zero (36 KB stages instead of 40), and `p_after_pv` (research, with pv_behind) keeps
-    each pair's P words in registers until P.V of the pair before is done in both MMA warpgroups and stores them then,
-    into one pair's P buffers instead of two pairs': with both, 5 ring stages fit at 64 rows with P.V a pair behind.
+    chunk_pairs schedule with whole-chunk boxes) keeps the rope of the ring's chunks and of Q in 64-byte rows in the 64B
+    swizzle instead of 128-byte rows half zero (36 KB stages instead of 40), and `p_after_pv` (research, with pv_behind)
+    keeps each pair's P words in registers until P.V of the pair before is done in both MMA warpgroups and stores them
+    then, into one pair's P buffers instead of two pairs': with both, 5 ring stages fit at 64 rows with P.V a pair
+    behind.
     `pv_second_per_tile` (research; the phase-after-phase form at 48 rows, where all of the second chunk's V^T loads
     under the first chunk's P.V) loads that V^T a dim tile at a time and issues each tile's P.V wgmmas as soon as
     its registers are there, instead of after the last tile (the same wgmmas in the same order). `s_between_pv`
@@ -306,9 +306,7 @@ class DecodeConfig:
         if self.kv_load_copies not in (1, 2) or (self.kv_load_copies != 1 and not self.chunk_pairs):
             raise ValueError(f"kv_load_copies is 1 or 2 (times each chunk's boxes are issued) in the chunk_pairs "
                              f"schedule, got {self.kv_load_copies}")
-        if self.kv_multicast and (not self.chunk_pairs or self.kv_load_copies != 1 or self.kv_prefetch
-                                  or not self.runs("load") or self.pair_stagger or self.vt_smem
-                                  or self.num_row_blocks % 2):
+        if self.kv_multicast and not self.loads_can_multicast:
             raise ValueError("kv_multicast is a form of the chunk_pairs schedule's loads for an even number of row "
                              "blocks, without kv_load_copies, kv_prefetch, pair_stagger, vt_smem or skip={'load'}")
         if self.rope_rows not in ROPE_ROWS or (self.rope_rows != ROPE_ROWS[0] and not (self.chunk_pairs and
@@ -380,6 +378,13 @@ class DecodeConfig:
     @property
     def num_row_blocks(self) -> int:
         return -(-self.num_rows // self.rows_per_block)
+
+    @property
+    def loads_can_multicast(self) -> bool:
+        """Whether `kv_multicast` is a form of this configuration: the chunk_pairs schedule's own loads (without
+        kv_load_copies, kv_prefetch, pair_stagger, vt_smem or skip={'load'}) for an even number of row blocks."""
+        return (self.chunk_pairs and self.kv_load_copies == 1 and not self.kv_prefetch and self.runs("load")
+                and not self.pair_stagger and not self.vt_smem and self.num_row_blocks % 2 == 0)
 
     @property
     def skips_unit_rescale(self) -> bool:
@@ -467,19 +472,16 @@ def default_deep_ring(research: dict, rows_per_block: int, p_planes: int, kv_box
             and not research.get("s_ahead") and not research.get("pv_behind") and "rope_rows" not in research)
 
 
-def default_kv_multicast(research: dict, num_rows: int, rows_per_block: int, p_planes: int) -> bool:
-    """Row blocks 2k and 2k + 1 of a plan CTA as a 2-CTA cluster sharing each chunk's load
-    (`DecodeConfig.kv_multicast`) wherever the chunk-pairs schedule runs an even number of row blocks with one P
-    plane (two planes not measured) and its loads as they are: the same arithmetic (outputs bit-identical), one L2
-    read of each chunk into the SMs for two row blocks. H100, decode alone: in the flushed bench (5 rounds, medians)
-    own loads -> multicast H128 q1 page 64 1M x B4 1148.2 -> 1142.6 us, 128K x B4 168.7 -> 169.6, q2 128K x B4 293.7
-    -> 295.6, H12 q8 1M x B1 288.5 -> 289.2 (within the run's spread); replayed back to back, where the GPU runs at
-    its power cap, H128 1M x B4 1316.5 -> 1271.6 us (SM clock 1455 -> 1508 MHz, energy a replay 918 -> 887 mJ), H12
-    q8 1M x B1 326.3 -> 315.5."""
-    return (bool(research.get("chunk_pairs")) and p_planes == 1 and -(-num_rows // rows_per_block) % 2 == 0
-            and research.get("kv_load_copies", 1) == 1 and not research.get("kv_prefetch")
-            and "load" not in research.get("skip", ()) and not research.get("pair_stagger")
-            and not research.get("vt_smem"))
+def default_kv_multicast(cfg: DecodeConfig) -> bool:
+    """Row blocks 2k and 2k + 1 of a plan CTA as a 2-CTA cluster sharing each chunk's load (`DecodeConfig.kv_multicast`)
+    wherever it is a form of the configuration (`loads_can_multicast`: the chunk-pairs schedule's own loads, an even
+    number of row blocks) with one P plane (two not measured): the same arithmetic (outputs bit-identical), one L2 read
+    of each chunk into the SMs for two row blocks. H100, decode alone: in the flushed bench (5 rounds, medians) own
+    loads -> multicast H128 q1 page 64 1M x B4 1148.2 -> 1142.6 us, 128K x B4 168.7 -> 169.6, q2 128K x B4 293.7 ->
+    295.6, H12 q8 1M x B1 288.5 -> 289.2 (within the run's spread); replayed back to back, where the GPU runs at its
+    power cap, H128 1M x B4 1316.5 -> 1271.6 us (SM clock 1455 -> 1508 MHz, energy a replay 918 -> 887 mJ), H12 q8 1M x
+    B1 326.3 -> 315.5."""
+    return cfg.loads_can_multicast and cfg.p_planes == 1
 
 
 def p_planes_for(p_precision: str, rows_per_block: int) -> int:
@@ -520,21 +522,22 @@ def decode_config(num_heads: int, q_len: int, page_size: int, *, tile_tokens: in
         research = {**research, "early_rescale": default_early_rescale(research, p_planes)}
     if "stages_under_s" not in research:
         research = {**research, "stages_under_s": default_stages_under_s(research)}
-    if "kv_multicast" not in research:
-        research = {**research, "kv_multicast": default_kv_multicast(research, num_heads * q_len, rows, p_planes)}
-    return DecodeConfig(num_heads=num_heads, q_len=q_len, page_size=page_size, tile_tokens=tile_tokens,
-                        causal=bool(causal), rows_per_block=rows,
-                        num_stages=default_num_stages(rows) if num_stages is None else num_stages,
-                        p_planes=p_planes,
-                        kv_loads=kv_loads,
-                        kv_box_tokens=kv_box_tokens,
-                        pv_order=(default_pv_order(rows, bool(research.get("lazy_rescale")
-                                                               or research.get("unit_rescale_skip")
-                                                               or research.get("chunk_pairs")
-                                                               or research.get("early_rescale")))
-                                  if pv_order is None
-                                  else pv_order),
-                        pdl=env.pdl, arch=arch, **research)
+    cfg = DecodeConfig(num_heads=num_heads, q_len=q_len, page_size=page_size, tile_tokens=tile_tokens,
+                       causal=bool(causal), rows_per_block=rows,
+                       num_stages=default_num_stages(rows) if num_stages is None else num_stages,
+                       p_planes=p_planes,
+                       kv_loads=kv_loads,
+                       kv_box_tokens=kv_box_tokens,
+                       pv_order=(default_pv_order(rows, bool(research.get("lazy_rescale")
+                                                              or research.get("unit_rescale_skip")
+                                                              or research.get("chunk_pairs")
+                                                              or research.get("early_rescale")))
+                                 if pv_order is None
+                                 else pv_order),
+                       pdl=env.pdl, arch=arch, **research)
+    if "kv_multicast" not in research and default_kv_multicast(cfg):
+        cfg = replace(cfg, kv_multicast=True)
+    return cfg
 
 
 # ------------------------------------------------------------------------------------------------ combine
