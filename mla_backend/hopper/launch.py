@@ -46,9 +46,10 @@ def cuda_stream(stream=None):
 def pdl_prologue(pdl: bool):
     """Inside a kernel compiled for programmatic dependent launch (the default, `CUTE_MLA_PDL`): wait for the
     previous kernel in the stream (its completion and memory flush) and let the next PDL kernel start launching.
-    Must precede every global-memory access. Each kernel is then launched while the one before it still runs, so
-    its launch and CTA start-up overlap that kernel's tail; a kernel that follows one launched without PDL (any
-    engine kernel) starts as usual, after it."""
+    Must precede every store and every load of what the previous kernel writes (the combine reads the plan, which
+    the kernel before the previous one wrote, ahead of it: `combine.py`). Each kernel is then launched while the one
+    before it still runs, so its launch and CTA start-up overlap that kernel's tail; a kernel that follows one
+    launched without PDL (any engine kernel) starts as usual, after it."""
     if pdl:
         cute.arch.griddepcontrol_wait()
         cute.arch.griddepcontrol_launch_dependents()

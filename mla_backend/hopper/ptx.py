@@ -21,6 +21,8 @@ kernel addresses its FP8 tiles itself and uses these primitives:
   cluster (`DecodeConfig.kv_multicast`).
 - `sm_clock` / `store_global_u32`: the SM's cycle counter and a plain global store, for the timeline builds of the
   decode (config.DecodeConfig.timeline); `store_shared_v2_f32`: an 8-byte shared store of two floats.
+- `load_global_cg_u32` / `load_global_cg_f32`: global loads from the L2, for the combine's reads of the plan ahead
+  of its wait for the decode (`combine.py`).
 
 Shared-memory reads and the wgmma issue are marked side-effecting so LLVM keeps them in order with the barriers
 and waits that guard them; accumulators are pinned after `wgmma_wait` with `fence_operand`.
@@ -403,6 +405,21 @@ def store_global_u32(gmem_addr, value, *, loc=None, ip=None):
     """st.global.u32 of value at a 64-bit global address."""
     _asm(None, [Int64(gmem_addr).ir_value(loc=loc, ip=ip), Int32(value).ir_value(loc=loc, ip=ip)],
          "st.global.u32 [$0], $1;", "l,r", True, loc, ip)
+
+
+@dsl_user_op
+def load_global_cg_u32(gmem_addr, *, loc=None, ip=None):
+    """ld.global.cg.u32 at a 64-bit global address: from the L2, never a line the SM's L1 kept (a load issued
+    before `griddepcontrol.wait`, which an L1 not yet invalidated for this grid could otherwise answer)."""
+    return Int32(_asm(T.i32(), [Int64(gmem_addr).ir_value(loc=loc, ip=ip)], "ld.global.cg.u32 $0, [$1];", "=r,l",
+                      True, loc, ip))
+
+
+@dsl_user_op
+def load_global_cg_f32(gmem_addr, *, loc=None, ip=None):
+    """ld.global.cg.f32 at a 64-bit global address (`load_global_cg_u32`)."""
+    return Float32(_asm(T.f32(), [Int64(gmem_addr).ir_value(loc=loc, ip=ip)], "ld.global.cg.f32 $0, [$1];", "=f,l",
+                        True, loc, ip))
 
 
 @dsl_user_op

@@ -1,6 +1,12 @@
 """The LSE combine kernel (mla_backend.hopper.combine): compiles for sm_90a on CPU in every mode; on the GPU it merges
 partials like the reference. Which mode a batch gets is config.combine_config's (tests/test_config.py)."""
 
+import glob
+import os
+import re
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -27,6 +33,39 @@ def test_prefetching_every_split_compiles_for_sm90a(rows):
 def test_warp_mode_compiles_for_sm90a(rows, dim_splits, heavy_slots):
     assert compile_combine(CombineConfig(rows, dim_splits, heavy_slots=heavy_slots)) is not \
         compile_combine(CombineConfig(rows, dim_splits))
+
+
+_COMBINE_PTX_SCRIPT = """
+from mla_backend.config import CombineConfig
+from mla_backend.hopper.combine import compile_combine
+compile_combine(CombineConfig({rows}, {dim_splits}, pdl={pdl}, heavy_slots={heavy_slots}))
+"""
+
+
+@pytest.mark.parametrize("dim_splits,pdl,heavy_slots", [(COMBINE_DIM_SPLITS, True, -1), (1, True, -1), (1, False, -1),
+                                                        (1, True, 4)])
+def test_only_the_plan_and_scale_are_read_before_the_wait(tmp_path, dim_splits, pdl, heavy_slots):
+    """With PDL, row mode loads its row's split count and workspace offset and the V scale (from the L2) before
+    `griddepcontrol.wait`, and nothing else touches global memory before it: no store, no partial, no LSE; warp
+    mode reads everything after it, as does a build without PDL (no wait at all)."""
+    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="ptx", CUTE_DSL_DUMP_DIR=str(tmp_path))
+    env.pop("CUTE_MLA_KERNEL_CACHE", None)  # a kernel loaded from a cache directory leaves no PTX
+    script = _COMBINE_PTX_SCRIPT.format(rows=12, dim_splits=dim_splits, pdl=pdl, heavy_slots=heavy_slots)
+    subprocess.run([sys.executable, "-c", script], env=env, check=True, cwd=str(tmp_path))
+    ptx = glob.glob(str(tmp_path / "*.ptx"))
+    assert len(ptx) == 1, ptx
+    body = open(ptx[0]).read()
+    body = body[body.index(".entry"):]
+    if not pdl:
+        assert "griddepcontrol" not in body
+        assert "ld.global.cg" not in body
+        return
+    head = body[:body.index("griddepcontrol.wait")]
+    global_ops = re.findall(r"\b(?:ld|st|red|atom|cp\.async)\.global[.\w]*", head)
+    if heavy_slots >= 0:
+        assert global_ops == [], global_ops
+    else:
+        assert global_ops == ["ld.global.cg.u32", "ld.global.cg.u32", "ld.global.cg.f32"], global_ops
 
 
 def _run(plan, ws, out, lse, v_scale, batch, heads, q_len):
