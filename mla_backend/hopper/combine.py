@@ -206,11 +206,12 @@ class CombineSplitsSM90:
 
     @cute.jit
     def _plan_before_wait(self, num_splits: cute.Tensor, split_offset: cute.Tensor, v_scale_t: cute.Tensor, request):
-        """Row mode with PDL: the row's split count and workspace offset and the V scale, loaded before the wait
-        for the decode, so that their round trip to memory runs while the decode's last CTAs do (these CTAs
-        start on the SMs the decode's first CTAs leave) rather than after it. Safe: this grid starts only once every
-        decode CTA has passed its own wait for the planner, which wrote the plan, and the scale is the engine's,
-        written before the planner ran. From the L2 (ld.global.cg), never a stale L1 line. Otherwise zeros: the
+        """Row mode with PDL: the row's split count and workspace offset and the V scale, loaded before the wait for
+        the decode, so that their round trip to memory runs while the decode's last CTAs do (these CTAs start on the
+        SMs the decode's first CTAs leave) rather than after it. Safe: this grid starts only once every decode CTA
+        has passed its own wait for the kernel before it, so whatever was written before the decode (the plan by the
+        planner, in this step or, shared by the layers, earlier; the scale by the engine) is complete and in the L2.
+        Read from the L2 (ld.global.cg), never from a stale L1 line. Without PDL, and in warp mode, zeros: the
         kernel reads them after the wait."""
         splits = cutlass.Int32(0)
         first = cutlass.Int32(0)
