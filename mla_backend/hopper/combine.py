@@ -1,8 +1,8 @@
 """Merge the split-KV partials of each request by their LSE (SM90, CuTe DSL).
 
 Row mode: one CTA of 8 warps per (request, query row), or per quarter of the row's 512 columns while the batch's rows
-fit one wave: it reads the split count and workspace offset from the plan (before its wait for the decode, with
-PDL: `_plan_before_wait`), so the grid is fixed (batch x rows
+fit one wave: it reads the split count and workspace offset from the plan (before its wait for the decode:
+`_plan_before_wait`), so the grid is fixed (batch x rows
 x 1 or 4, chosen from shapes the host knows) and needs no host reads. Requests with one split exit at once:
 the decode kernel already wrote their final output. Requests without KV (no split at all) get out = 0,
 lse = -inf here, since no decode CTA visits them.
@@ -139,9 +139,10 @@ class CombineSplitsSM90:
         # Row mode reads its row's split count and workspace offset, and the V scale, before the wait for the
         # decode (`_plan_before_wait`); everything else, every store included, follows the wait.
         request, row, part_of_row = cute.arch.block_idx()
-        splits, first, v_scale = self._plan_before_wait(num_splits, split_offset, v_scale_t, request)
+        if cutlass.const_expr(not self.warp_rows):
+            splits, first, v_scale = self._plan_before_wait(num_splits, split_offset, v_scale_t, request)
         pdl_prologue(self.pdl)
-        if cutlass.const_expr(self.warp_rows or not self.pdl):
+        if cutlass.const_expr(self.warp_rows):
             v_scale = v_scale_t[0]
         tidx, _, _ = cute.arch.thread_idx()
         lane = tidx % 32
@@ -186,11 +187,6 @@ class CombineSplitsSM90:
                                     part_of_row, found[h, 1], found[h, 2], tidx, lane, warp)
                     cute.arch.barrier()  # the shared sums and weights are reused by the next request
         else:
-            if cutlass.const_expr(not self.pdl):
-                splits = num_splits[request]
-                # read with the split count, not after it: the partials' addresses need it, and a load behind the
-                # `splits > 1` branch would be one more round trip to memory on every CTA's path
-                first = split_offset[request]
             dst = cute.local_tile(out[request, row, None], (self.cols,), (part_of_row,))  # this CTA's columns
             if splits == 0:
                 if tidx < self.cols // VEC:
@@ -206,20 +202,17 @@ class CombineSplitsSM90:
 
     @cute.jit
     def _plan_before_wait(self, num_splits: cute.Tensor, split_offset: cute.Tensor, v_scale_t: cute.Tensor, request):
-        """Row mode with PDL: the row's split count and workspace offset and the V scale, loaded before the wait for
-        the decode, so that their round trip to memory runs while the decode's last CTAs do (these CTAs start on the
-        SMs the decode's first CTAs leave) rather than after it. Safe: this grid starts only once every decode CTA
-        has passed its own wait for the kernel before it, so whatever was written before the decode (the plan by the
-        planner, in this step or, shared by the layers, earlier; the scale by the engine) is complete and in the L2.
-        Read from the L2 (ld.global.cg), never from a stale L1 line. Without PDL, and in warp mode, zeros: the
-        kernel reads them after the wait."""
-        splits = cutlass.Int32(0)
-        first = cutlass.Int32(0)
-        v_scale = cutlass.Float32(0.0)
-        if cutlass.const_expr(self.pdl and not self.warp_rows):
-            splits = load_global_cg_u32((num_splits.iterator + request).toint())
-            first = load_global_cg_u32((split_offset.iterator + request).toint())
-            v_scale = load_global_cg_f32(v_scale_t.iterator.toint())
+        """Row mode: the row's split count and workspace offset (read together: the partials' addresses need both,
+        and a load behind the `splits > 1` branch would be one more round trip on every CTA's path) and the V scale,
+        loaded before the wait for the decode, so that with PDL their round trip to memory runs while the decode's
+        last CTAs do (these CTAs start on the SMs the decode's first CTAs leave) rather than after it. Safe: this
+        grid starts only once every decode CTA has passed its own wait for the kernel before it, so whatever was
+        written before the decode (the plan by the planner, in this step or, shared by the layers, earlier; the scale
+        by the engine) is complete and in the L2. Read from the L2 (ld.global.cg), never from a stale L1 line.
+        Without PDL there is no wait, and the grid starts after the decode."""
+        splits = load_global_cg_u32((num_splits.iterator + request).toint())
+        first = load_global_cg_u32((split_offset.iterator + request).toint())
+        v_scale = load_global_cg_f32(v_scale_t.iterator.toint())
         return splits, first, v_scale
 
     @cute.jit

@@ -47,7 +47,7 @@ compile_combine(CombineConfig({rows}, {dim_splits}, pdl={pdl}, heavy_slots={heav
 def test_only_the_plan_and_scale_are_read_before_the_wait(tmp_path, dim_splits, pdl, heavy_slots):
     """With PDL, row mode loads its row's split count and workspace offset and the V scale (from the L2) before
     `griddepcontrol.wait`, and nothing else touches global memory before it: no store, no partial, no LSE; warp
-    mode reads everything after it, as does a build without PDL (no wait at all)."""
+    mode reads everything after it. A build without PDL has no wait at all."""
     env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="ptx", CUTE_DSL_DUMP_DIR=str(tmp_path))
     env.pop("CUTE_MLA_KERNEL_CACHE", None)  # a kernel loaded from a cache directory leaves no PTX
     script = _COMBINE_PTX_SCRIPT.format(rows=12, dim_splits=dim_splits, pdl=pdl, heavy_slots=heavy_slots)
@@ -58,7 +58,6 @@ def test_only_the_plan_and_scale_are_read_before_the_wait(tmp_path, dim_splits, 
     body = body[body.index(".entry"):]
     if not pdl:
         assert "griddepcontrol" not in body
-        assert "ld.global.cg" not in body
         return
     head = body[:body.index("griddepcontrol.wait")]
     global_ops = re.findall(r"\b(?:ld|st|red|atom|cp\.async)\.global[.\w]*", head)
