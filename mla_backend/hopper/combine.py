@@ -23,7 +23,7 @@ launch and a round trip for a row of 2-4 partials, and 768-1536 such CTAs took 3
 x B16). There a warp merges a row (lane s holds split s's LSE), eight rows per CTA, for every request
 with at most HEAVY_SPLITS splits; the few requests with more (a plan of N CTAs holds at most N / 32 of them) are
 merged row by row by rows x COMBINE_DIM_SPLITS (or x 1) CTAs of their own at the end of the grid, which find them with
-one ballot pass over the plan.
+one ballot pass over the plan. Every CTA reads the plan before its wait for the decode (`_plan_before_wait`).
 
 out = v_scale * sum_s exp(lse_s - lse) * O_s, lse = log(sum_s exp(lse_s)), computed in base 2; a row whose
 partials are all empty (lse -inf) gets out = 0 and lse = -inf.
@@ -136,14 +136,9 @@ class CombineSplitsSM90:
     @cute.kernel
     def kernel(self, partial_out: cute.Tensor, partial_lse: cute.Tensor, out: cute.Tensor, lse: cute.Tensor,
                num_splits: cute.Tensor, split_offset: cute.Tensor, v_scale_t: cute.Tensor):
-        # Row mode reads its row's split count and workspace offset, and the V scale, before the wait for the
-        # decode (`_plan_before_wait`); everything else, every store included, follows the wait.
+        # The plan's entries this CTA needs and the V scale are read before the wait for the decode
+        # (`_plan_before_wait`); everything else, every store included, follows the wait.
         request, row, part_of_row = cute.arch.block_idx()
-        if cutlass.const_expr(not self.warp_rows):
-            splits, first, v_scale = self._plan_before_wait(num_splits, split_offset, v_scale_t, request)
-        pdl_prologue(self.pdl)
-        if cutlass.const_expr(self.warp_rows):
-            v_scale = v_scale_t[0]
         tidx, _, _ = cute.arch.thread_idx()
         lane = tidx % 32
         warp = tidx // 32
@@ -160,19 +155,24 @@ class CombineSplitsSM90:
             if tidx >= THREADS:  # never: the buffer only has to exist
                 spread[0] = tidx
         shared = (weights, scratch, sums)
+        counts, found = None, None
         if cutlass.const_expr(self.warp_rows):
             counts = smem.allocate_tensor(cutlass.Int32, cute.make_layout(WARPS), 16)
             found = smem.allocate_tensor(cutlass.Int32, cute.make_layout((max(self.heavy_slots, 1), 3), stride=(3, 1)),
                                          16)
-            # The warp CTAs first, the heavy CTAs after them. Most batches that take warp mode have no heavy
-            # request, and their heavy CTAs only search the plan and exit; first in the grid, they were dispatched
-            # ahead of the CTAs with the rows (H200, combine alone, heavy CTAs first -> last: q_len 8 128K x B16
-            # 3.6 -> 3.3 us, 1M x B16 3.8-3.9 -> 3.5-3.6, 8K x B64 2.3 -> 2.0-2.1; 128K + 63 x 2K, whose heavy
-            # request has ~63 splits, 2.7 both ways; steps unchanged).
-            c, _, _ = cute.arch.block_idx()
-            warp_ctas = cute.size(lse, mode=[0]) * self.row_groups
+        # Warp mode: the warp CTAs first, the heavy CTAs after them. Most batches that take warp mode have no heavy
+        # request, and their heavy CTAs only search the plan and exit; first in the grid, they were dispatched
+        # ahead of the CTAs with the rows (H200, combine alone, heavy CTAs first -> last: q_len 8 128K x B16
+        # 3.6 -> 3.3 us, 1M x B16 3.8-3.9 -> 3.5-3.6, 8K x B64 2.3 -> 2.0-2.1; 128K + 63 x 2K, whose heavy
+        # request has ~63 splits, 2.7 both ways; steps unchanged).
+        warp_ctas = cute.size(lse, mode=[0]) * self.row_groups
+        splits, first, n_heavy, v_scale = self._plan_before_wait(num_splits, split_offset, v_scale_t, request,
+                                                                 warp_ctas, counts, found, tidx, lane, warp)
+        pdl_prologue(self.pdl)
+        if cutlass.const_expr(self.warp_rows):
+            c = request
             if c < warp_ctas:
-                self._merge_rows_by_warps(partial_out, partial_lse, out, lse, num_splits, split_offset, v_scale,
+                self._merge_rows_by_warps(partial_out, partial_lse, out, lse, splits, first, v_scale,
                                           c // self.row_groups, (c % self.row_groups) * WARPS + warp, lane)
             else:
                 c = c - warp_ctas
@@ -180,8 +180,6 @@ class CombineSplitsSM90:
                 # among short ones), at most heavy_slots of them, one after the other
                 part_of_row = c % self.dim_splits
                 row = c // self.dim_splits
-                n_heavy = self._find_heavy(num_splits, split_offset, cute.size(lse, mode=[0]), counts, found, tidx,
-                                           lane, warp)
                 for h in range(n_heavy):
                     self._merge_row(partial_out, partial_lse, out, lse, shared, v_scale, found[h, 0], row,
                                     part_of_row, found[h, 1], found[h, 2], tidx, lane, warp)
@@ -201,19 +199,34 @@ class CombineSplitsSM90:
                                 splits, first, tidx, lane, warp)
 
     @cute.jit
-    def _plan_before_wait(self, num_splits: cute.Tensor, split_offset: cute.Tensor, v_scale_t: cute.Tensor, request):
-        """Row mode: the row's split count and workspace offset (read together: the partials' addresses need both,
-        and a load behind the `splits > 1` branch would be one more round trip on every CTA's path) and the V scale,
-        loaded before the wait for the decode, so that with PDL their round trip to memory runs while the decode's
-        last CTAs do (these CTAs start on the SMs the decode's first CTAs leave) rather than after it. Safe: this
-        grid starts only once every decode CTA has passed its own wait for the kernel before it, so whatever was
-        written before the decode (the plan by the planner, in this step or, shared by the layers, earlier; the scale
-        by the engine) is complete and in the L2. Read from the L2 (ld.global.cg), never from a stale L1 line.
-        Without PDL there is no wait, and the grid starts after the decode."""
-        splits = load_global_cg_u32((num_splits.iterator + request).toint())
-        first = load_global_cg_u32((split_offset.iterator + request).toint())
+    def _plan_before_wait(self, num_splits: cute.Tensor, split_offset: cute.Tensor, v_scale_t: cute.Tensor, c,
+                          warp_ctas, counts, found, tidx, lane, warp):
+        """What the CTA reads of the plan, and the V scale, loaded before the wait for the decode, so that with PDL
+        their round trips to memory run while the decode's last CTAs do (these CTAs start on the SMs the decode's
+        first CTAs leave) rather than after it. Returns (splits, first, heavy, v_scale): row mode's and warp mode's
+        row CTAs get their request's split count and workspace offset (read together: the partials' addresses
+        need both, and a load behind the `splits > 1` branch would be one more round trip on every CTA's path);
+        warp mode's heavy CTAs search the plan for its heavy requests (`_find_heavy`: into `found`, `heavy` of
+        them). Safe: this grid starts only once every decode CTA has passed its own wait for the kernel before it,
+        so whatever was written before the decode (the plan by the planner, in this step or, shared by the layers,
+        earlier; the scale by the engine) is complete and in the L2. Read from the L2 (ld.global.cg), never from a
+        stale L1 line. Without PDL there is no wait, and the grid starts after the decode."""
+        splits = cutlass.Int32(0)
+        first = cutlass.Int32(0)
+        heavy = cutlass.Int32(0)
+        if cutlass.const_expr(self.warp_rows):
+            if c < warp_ctas:
+                request = c // self.row_groups
+                splits = load_global_cg_u32((num_splits.iterator + request).toint())
+                first = load_global_cg_u32((split_offset.iterator + request).toint())
+            else:
+                heavy = self._find_heavy(num_splits, split_offset, warp_ctas // self.row_groups, counts, found, tidx,
+                                         lane, warp)
+        else:
+            splits = load_global_cg_u32((num_splits.iterator + c).toint())
+            first = load_global_cg_u32((split_offset.iterator + c).toint())
         v_scale = load_global_cg_f32(v_scale_t.iterator.toint())
-        return splits, first, v_scale
+        return splits, first, heavy, v_scale
 
     @cute.jit
     def _find_heavy(self, num_splits: cute.Tensor, split_offset: cute.Tensor, batch, counts: cute.Tensor,
@@ -227,9 +240,9 @@ class CombineSplitsSM90:
             i = i0 + tidx
             s = cutlass.Int32(0)
             o = cutlass.Int32(0)
-            if i < batch:
-                s = num_splits[i]
-                o = split_offset[i]
+            if i < batch:  # before the wait: from the L2 (`_plan_before_wait`)
+                s = load_global_cg_u32((num_splits.iterator + i).toint())
+                o = load_global_cg_u32((split_offset.iterator + i).toint())
             heavy = s > HEAVY_SPLITS
             ballot = cute.arch.vote_ballot_sync(heavy)
             if lane == 0:
@@ -268,13 +281,11 @@ class CombineSplitsSM90:
 
     @cute.jit
     def _merge_rows_by_warps(self, partial_out: cute.Tensor, partial_lse: cute.Tensor, out: cute.Tensor,
-                             lse: cute.Tensor, num_splits: cute.Tensor, split_offset: cute.Tensor, v_scale, request,
-                             row, lane):
+                             lse: cute.Tensor, splits, first, v_scale, request, row, lane):
         """Warp mode: this warp's row of `request`, if the request has at most HEAVY_SPLITS splits (lane s holds
-        split s's LSE and weight; the lane owns the 4-element vectors lane + 32 k of the 512 columns)."""
+        split s's LSE and weight; the lane owns the 4-element vectors lane + 32 k of the 512 columns); `splits`
+        and `first` are the request's plan entries."""
         VECS = LATENT_DIM // (32 * VEC)
-        splits = num_splits[request]
-        first = split_offset[request]
         if row < self.rows:
             if splits == 0:
                 zeros = cute.make_rmem_tensor((VEC,), cutlass.BFloat16)
