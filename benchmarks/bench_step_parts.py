@@ -1,4 +1,5 @@
-"""What each piece of a decode step costs inside the step (H200: `python benchmarks/bench_step_parts.py`).
+"""What each piece of a decode step costs inside the step (H200: `python benchmarks/bench_step_parts.py`;
+`--many-rows`: the bench's compute-bound shapes and TP8 shapes around them, page 64, instead of its TP8 cases).
 
 The bench (`python -m mla_backend bench`) times the whole step (one CUDA graph: the planner, the decode, the
 combine) and the planner and the combine each alone. Alone they are not what they add to a step: with
@@ -27,7 +28,7 @@ import argparse
 import statistics
 import sys
 
-from mla_backend.bench.cases import Case, case_bytes_and_flops, case_inputs, case_kv_bytes
+from mla_backend.bench.cases import Case, case_bytes_and_flops, case_inputs, case_kv_bytes, many_rows_cases
 from mla_backend.bench.ceilings import READ_SHAPES, measure_fp8_flops, measure_read_bandwidth, streaming_read
 from mla_backend.bench.timing import L2_FLUSH_BYTES, capture, time_replay
 from mla_backend.shapes import KV_DIM
@@ -42,6 +43,13 @@ def default_cases():
             Case("H12 q1 1M + 15 x 4K", [1 << 20] + [4096] * 15),
             Case("H12 q1 128K + 63 x 2K", [131072] + [2048] * 63), Case("H12 q1 8K x B64", [8192] * 64),
             Case("H12 q8 128K x B4", [131072] * 4, q_len=8)]
+
+
+def select_cases(only: str = "", many_rows: bool = False) -> list:
+    """The cases to run: default_cases() or the bench's many_rows_cases(), those whose name contains a part of
+    `only` ('a|b': either; empty: all)."""
+    cases = many_rows_cases() if many_rows else default_cases()
+    return [c for c in cases if any(part in c.name for part in only.split("|"))]
 
 
 def part_costs(medians: dict, floor_us: float) -> dict:
@@ -116,13 +124,18 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--only", default="", help="cases whose name contains this text ('a|b': either)")
+    parser.add_argument("--many-rows", action="store_true",
+                        help="the bench's --many-rows cases (64-128 heads, q_len 2-8, TP8 shapes; page 64)")
     args = parser.parse_args(argv)
     import torch
 
     if not torch.cuda.is_available():
         print("bench_step_parts needs a CUDA GPU (Hopper)", file=sys.stderr)
         return 2
-    cases = [c for c in default_cases() if any(part in c.name for part in args.only.split("|"))]
+    cases = select_cases(args.only, args.many_rows)
+    if not cases:
+        print(f"bench_step_parts: --only {args.only!r} matches no case", file=sys.stderr)
+        return 2
     kv_pool = torch.empty(max(case_kv_bytes(c) for c in cases), dtype=torch.uint8, device="cuda")
     bandwidth = measure_read_bandwidth()
     fp8 = measure_fp8_flops()

@@ -16,3 +16,11 @@ def test_every_case_has_a_unique_name_and_the_variants_cover_the_costs():
     assert len(names) == len(set(names))
     assert set(bench_step_parts.VARIANTS) == {"step", "no combine", "no planner", "decode", "empty graph",
                                                   "KV read alone"}
+
+
+def test_cases_are_selected_from_the_chosen_list():
+    assert [c.name for c in bench_step_parts.select_cases("128K x B1|8K x B64")] == [
+        "H12 q1 128K x B1", "H12 q1 128K x B16", "H12 q1 8K x B64"]
+    many = bench_step_parts.select_cases("H128 q1 128K x B4|H64", many_rows=True)
+    assert [(c.name, c.page_size) for c in many] == [("H128 q1 128K x B4 page 64", 64), ("H64 q1 1M x B2 page 64", 64)]
+    assert bench_step_parts.select_cases("no such case") == []
