@@ -18,7 +18,7 @@ import sys
 
 from mla_backend.bench.cases import case_bytes_and_flops, case_inputs, case_kv_bytes, many_rows_cases
 from mla_backend.bench.ceilings import READ_SHAPES, measure_read_bandwidth, streaming_read
-from mla_backend.bench.timing import L2_FLUSH_BYTES, capture, time_replay
+from mla_backend.bench.timing import L2_FLUSH_BYTES, capture, settle, time_replay
 
 PROG = "bench_kv_placement.py"
 ORDERS = ("random", "in-order")
@@ -83,6 +83,7 @@ def main(argv=None) -> int:
           f"pool; median of {args.reps} x {args.rounds} rounds", flush=True)
     runs = [(i, case, pool_graphs(case, pool)) for i, pool in enumerate(pools) for case in cases]
     flush = torch.zeros(L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
+    settle()
     times = [{name: [] for name in graphs} for _, _, graphs in runs]
     for _ in range(args.rounds):
         for (_, _, graphs), t in zip(runs, times):

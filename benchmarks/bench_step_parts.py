@@ -30,7 +30,7 @@ import sys
 
 from mla_backend.bench.cases import Case, case_bytes_and_flops, case_inputs, case_kv_bytes, many_rows_cases
 from mla_backend.bench.ceilings import READ_SHAPES, measure_fp8_flops, measure_read_bandwidth, streaming_read
-from mla_backend.bench.timing import L2_FLUSH_BYTES, capture, time_replay
+from mla_backend.bench.timing import L2_FLUSH_BYTES, capture, settle, time_replay
 from mla_backend.shapes import KV_DIM
 
 VARIANTS = ("step", "no combine", "no planner", "decode", "empty graph", "KV read alone")
@@ -110,6 +110,7 @@ def run_parts(case: Case, reps: int, kv_pool) -> dict:
     torch.cuda.synchronize()
     graphs = {name: capture(*fns) for name, fns in pieces.items()}
     flush = torch.zeros(L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
+    settle()
     times = {name: [] for name in graphs}
     for _ in range(reps):
         for name in graphs:

@@ -43,7 +43,7 @@ import torch
 from .cases import (Case, case_bytes_and_flops, case_inputs, case_kv_bytes, default_cases, extended_cases,
                     many_rows_cases)
 from .ceilings import measure_fp8_flops, measure_read_bandwidth
-from .timing import (ALONE_NAMES, KERNEL_NAMES, L2_FLUSH_BYTES, SPIN_CYCLES, capture, time_replay,
+from .timing import (ALONE_NAMES, KERNEL_NAMES, L2_FLUSH_BYTES, SPIN_CYCLES, capture, settle, time_replay,
                      trace_kernel_durations)
 
 
@@ -111,6 +111,7 @@ def run_case(case: Case, bandwidth: float, fp8_flops: float, reps: int, check: b
     graph = capture(step)
     peer_graph = capture(peer_fn) if peer_fn is not None else None
     flush = torch.zeros(L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
+    settle()
     # Each timed replay follows the flush and a spin kernel (no memory traffic) that keeps the GPU busy while the
     # host enqueues the start event, the graph launch and the end event. Without it the events also caught GPU
     # idle time whenever the host's graph launch fell behind the flush: the same decode kernel (558-560 us in

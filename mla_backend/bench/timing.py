@@ -4,6 +4,7 @@ profiler trace."""
 from __future__ import annotations
 
 import statistics
+import time
 
 import torch
 
@@ -40,8 +41,22 @@ def step_kernel_durations(kernels):
     return {kind: statistics.median(values) for kind, values in found.items()}
 
 
+# Seconds the GPU is left idle between a case's setup and its first timed replay (`settle`)
+SETTLE_SECONDS = 0.5
 L2_FLUSH_BYTES = 256 << 20  # 5x the H200's 50 MB L2
 SPIN_CYCLES = 400_000  # ~200 us at the H200's clock: longer than the host's graph launch (run_case)
+
+
+def settle() -> None:
+    """Wait until the GPU has done the work queued so far, then SETTLE_SECONDS more, before timing replays.
+
+    On an H100, replays timed right after their case was set up (inputs written, graphs captured, the previous
+    case's memory freed) ran memory-bound 2M-token steps at up to 1.25x the read floor for a few hundred
+    milliseconds, the replays spreading 16-20%; the first case of a process, set up seconds before its timing,
+    never did, and the kernels of a slow case ran at full speed in a profiler trace. 0.3 s of idle after a
+    synchronize removed it (docs/experiments.md, Bench method); what the GPU does in that time was not found."""
+    torch.cuda.synchronize()
+    time.sleep(SETTLE_SECONDS)
 
 
 def flush_l2(buf: torch.Tensor, mode: str = "read") -> None:
