@@ -83,7 +83,7 @@ def main(argv=None) -> int:
           f"pool; median of {args.reps} x {args.rounds} rounds", flush=True)
     runs = [(i, case, pool_graphs(case, pool)) for i, pool in enumerate(pools) for case in cases]
     flush = torch.zeros(L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
-    settle()
+    settle([graph for _, _, graphs in runs for graph, _ in graphs.values()], flush)
     times = [{name: [] for name in graphs} for _, _, graphs in runs]
     for _ in range(args.rounds):
         for (_, _, graphs), t in zip(runs, times):

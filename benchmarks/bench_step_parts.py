@@ -110,7 +110,7 @@ def run_parts(case: Case, reps: int, kv_pool) -> dict:
     torch.cuda.synchronize()
     graphs = {name: capture(*fns) for name, fns in pieces.items()}
     flush = torch.zeros(L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
-    settle()
+    settle(graphs.values(), flush)
     times = {name: [] for name in graphs}
     for _ in range(reps):
         for name in graphs:

@@ -111,7 +111,7 @@ def run_case(case: Case, bandwidth: float, fp8_flops: float, reps: int, check: b
     graph = capture(step)
     peer_graph = capture(peer_fn) if peer_fn is not None else None
     flush = torch.zeros(L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
-    settle()
+    settle((graph, peer_graph), flush, flush_mode)
     # Each timed replay follows the flush and a spin kernel (no memory traffic) that keeps the GPU busy while the
     # host enqueues the start event, the graph launch and the end event. Without it the events also caught GPU
     # idle time whenever the host's graph launch fell behind the flush: the same decode kernel (558-560 us in

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from typing import Optional
 
 import torch
 
@@ -41,22 +42,35 @@ def step_kernel_durations(kernels):
     return {kind: statistics.median(values) for kind, values in found.items()}
 
 
-# Seconds the GPU is left idle between a case's setup and its first timed replay (`settle`)
+# `settle`: seconds the GPU is left idle between a case's setup and its timing, then seconds of untimed replays
 SETTLE_SECONDS = 0.5
+WARM_UP_SECONDS = 0.2
 L2_FLUSH_BYTES = 256 << 20  # 5x the H200's 50 MB L2
 SPIN_CYCLES = 400_000  # ~200 us at the H200's clock: longer than the host's graph launch (run_case)
 
 
-def settle() -> None:
-    """Wait until the GPU has done the work queued so far, then SETTLE_SECONDS more, before timing replays.
+def settle(graphs=(), flush: Optional[torch.Tensor] = None, flush_mode: str = "read") -> None:
+    """Wait until the GPU has done the work queued so far and SETTLE_SECONDS more, then replay `graphs` (each after
+    the L2 flush, untimed) for about WARM_UP_SECONDS, before a case's timed replays.
 
-    On an H100, replays timed right after their case was set up (inputs written, graphs captured, the previous
-    case's memory freed) ran memory-bound 2M-token steps at up to 1.25x the read floor for a few hundred
+    The wait: on an H100, replays timed right after their case was set up (inputs written, graphs captured, the
+    previous case's memory freed) ran memory-bound 2M-token steps at up to 1.25x the read floor for a few hundred
     milliseconds, the replays spreading 16-20%; the first case of a process, set up seconds before its timing,
     never did, and the kernels of a slow case ran at full speed in a profiler trace. 0.3 s of idle after a
-    synchronize removed it (docs/experiments.md, Bench method); what the GPU does in that time was not found."""
+    synchronize removed it (docs/experiments.md, Bench method); what the GPU does in that time was not found.
+    The replays after it: an idle H200 drops its SM clock to 345 MHz, and the case's setup no longer keeps it
+    busy right before the timing."""
     torch.cuda.synchronize()
     time.sleep(SETTLE_SECONDS)
+    graphs = [g for g in graphs if g is not None]
+    deadline = time.perf_counter() + WARM_UP_SECONDS
+    while graphs and time.perf_counter() < deadline:
+        for graph in graphs:
+            if flush is not None:
+                flush_l2(flush, flush_mode)
+            graph.replay()
+        torch.cuda.synchronize()
+    torch.cuda.synchronize()
 
 
 def flush_l2(buf: torch.Tensor, mode: str = "read") -> None:

@@ -90,3 +90,30 @@ def test_each_compiled_kernel_is_found_by_its_own_kind_only(tmp_path):
     events = [(FLUSH, 0.0, 50.0), (by_kind["planner"], 60.0, 62.0), (by_kind["decode"], 62.5, 162.5),
               (by_kind["combine"], 163.0, 168.0)]
     assert timing.step_kernel_durations(events) == {"planner": 2.0, "decode": 100.0, "combine": 5.0, "step": 108.0}
+
+
+class _CountingGraph:
+    def __init__(self, log, name):
+        self.log, self.name = log, name
+
+    def replay(self):
+        self.log.append(self.name)
+
+
+def test_settle_waits_then_replays_each_graph_after_a_flush(monkeypatch):
+    import time
+
+    import torch
+
+    log, waits = [], []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: log.append("sync"))
+    monkeypatch.setattr(time, "sleep", lambda s: waits.append(s))
+    monkeypatch.setattr(timing, "flush_l2", lambda buf, mode="read": log.append(f"flush {mode}"))
+    monkeypatch.setattr(timing, "WARM_UP_SECONDS", 0.02)
+    timing.settle((_CountingGraph(log, "a"), None, _CountingGraph(log, "b")), torch.zeros(8), "write")
+    assert waits == [timing.SETTLE_SECONDS] and log[0] == "sync" and log[-1] == "sync"
+    rounds = [r for r in " ".join(log[1:-1]).split(" sync") if r.strip()]
+    assert rounds and all(r.split() == ["flush", "write", "a", "flush", "write", "b"] for r in rounds)
+    log.clear()
+    timing.settle()  # nothing to replay: the wait alone
+    assert log == ["sync", "sync"] and waits == [timing.SETTLE_SECONDS] * 2
