@@ -1,13 +1,12 @@
 """Whether where the KV pool lands decides a memory-bound step's time (H200 or H100:
 `python benchmarks/bench_kv_placement.py --case "H64 q1 1M x B2" --case "H16 q4" --pools 4`).
 
-On H100s the bench has run the 2M-token memory-bound steps at ~1.05x the read floor in some processes and ~1.25x
-in others, each process the same throughout (docs/experiments.md, Bench method). This allocates --pools KV pools
-of the case's size one after another at the start of one process, and times on each the bench's step (planner,
-decode, combine: one CUDA graph, L2 emptied by reading, a spin kernel first) with the block tables' pages in
-random order and in order, and the bench's streaming-read kernel over the same bytes, in interleaved rounds. If
-the pools of one process differ, the placement of the allocation decides it; if every pool of a process runs
-alike and processes differ, something of the process does.
+This allocates --pools KV pools of the largest case's size one after another at the start of one process, and
+times on each, for each --case, the bench's step (planner, decode, combine: one CUDA graph, L2 emptied by reading,
+a spin kernel first) with the block tables' pages in random order and in order, and the bench's streaming-read
+kernel over the same bytes, in interleaved rounds after `timing.settle`. Pools of one process that differ would
+say the allocation's placement decides a step's time. On an H100 they did not (every step 1.05-1.06x the floor,
+docs/experiments.md, Bench method): the bench's slow 2M-token steps came from timing right after a case's setup.
 """
 
 from __future__ import annotations
@@ -54,9 +53,11 @@ def pool_graphs(case, pool) -> dict:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--case", action="append",
-                        help="a --many-rows case of the bench (the start of its name; repeatable; default H64 q1 1M x B2)")
+                        help="a --many-rows case of the bench (the start of its name; repeatable; default H64 q1 "
+                             "1M x B2)")
     parser.add_argument("--pools", type=int, default=4, help="KV pools to allocate and time (1-16)")
     parser.add_argument("--reps", type=int, default=10, help="replays of each graph a round")
     parser.add_argument("--rounds", type=int, default=3)
