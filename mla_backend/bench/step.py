@@ -16,8 +16,9 @@ L2 error and the largest lse difference); `--many-rows` selects the
 compute-bound shapes it is compared on. `--p-precision fp8 --p-precision fp8x2` runs each case in both modes.
 
 A step is timed by CUDA events around one graph replay, after the L2 flush and a spin kernel that keeps the GPU
-busy while the host enqueues the replay (`run_case`); the "no spin" column is the same without it, which also
-catches any time the GPU waits for the host's graph launch (docs/performance.md, "Step time by events").
+busy while the host enqueues the replay (`run_case`), once the case has settled after its setup (`timing.settle`);
+the "no spin" column is the same without it, which also catches any time the GPU waits for the host's graph launch
+(docs/performance.md, "Step time by events").
 
 `--kernel-times` adds each kernel's duration from a profiler trace and the span from the first kernel's start to
 the last one's end ("step kernel"), and the planner's and the combine's durations in graphs of their own ("planner
