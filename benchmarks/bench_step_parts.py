@@ -20,11 +20,18 @@ and reported as what each piece adds (`part_costs`): the planner = step - no pla
 combine, the decode's own time over the floor = decode - empty graph - floor (the bench's floor), and over the
 plain read = decode - KV read alone. Without the combine the split requests' outputs are not merged, which does
 not change the decode's work.
+
+`--combine-variant SPEC` (repeatable; research) adds the step with another combine kernel to the same rounds:
+SPEC is comma-separated FIELD=VALUE pairs of config.CombineConfig's `dim_splits` (CTAs sharing a row's 512
+columns: 1, 2 or 4) and `prefetch_all` (0 or 1: every warp's first partials loaded before the LSE reductions),
+the fields it leaves out as `config.combine_config` chose them for the case; reported as that step's median and
+what its combine adds (that step - no combine). A bad SPEC is an error naming it (exit 2).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
 
@@ -52,6 +59,30 @@ def select_cases(only: str = "", many_rows: bool = False) -> list:
     return [c for c in cases if any(part in c.name for part in only.split("|"))]
 
 
+COMBINE_VARIANT_FIELDS = {"dim_splits": (1, 2, 4), "prefetch_all": (0, 1)}
+
+
+def parse_combine_variant(spec: str) -> dict:
+    """'dim_splits=2,prefetch_all=1' -> CombineConfig overrides; ValueError naming the spec for anything else."""
+    overrides = {}
+    for item in spec.split(","):
+        field, sep, value = item.strip().partition("=")
+        allowed = COMBINE_VARIANT_FIELDS.get(field)
+        if not sep or allowed is None:
+            raise ValueError(f"--combine-variant {spec!r}: expected FIELD=VALUE pairs with FIELD in "
+                             f"{', '.join(COMBINE_VARIANT_FIELDS)}")
+        if field in overrides:
+            raise ValueError(f"--combine-variant {spec!r}: {field} given twice")
+        if not value.strip().isdigit() or int(value) not in allowed:
+            raise ValueError(f"--combine-variant {spec!r}: {field} must be one of {', '.join(map(str, allowed))}")
+        overrides[field] = bool(int(value)) if field == "prefetch_all" else int(value)
+    return overrides
+
+
+def combine_variant_name(spec: str) -> str:
+    return f"step [{spec}]"
+
+
 def part_costs(medians: dict, floor_us: float) -> dict:
     """What each piece adds to the step (us), from the median time of each variant (us)."""
     return {
@@ -71,8 +102,9 @@ def read_alone_pieces(kv_pool, num_bytes: int) -> dict:
     return {"read {} x {} x {}".format(*shape): (streaming_read(x, shape),) for shape in READ_SHAPES}
 
 
-def run_parts(case: Case, reps: int, kv_pool) -> dict:
-    """Median us of each variant of the case's step (VARIANTS), timed in interleaved rounds."""
+def run_parts(case: Case, reps: int, kv_pool, combine_variants: dict = None) -> dict:
+    """Median us of each variant of the case's step (VARIANTS, and the step with each of combine_variants' combine
+    kernels: {spec: CombineConfig overrides}), timed in interleaved rounds."""
     import torch
 
     from mla_backend.config import combine_config, decode_config
@@ -101,6 +133,14 @@ def run_parts(case: Case, reps: int, kv_pool) -> dict:
 
     pieces = {"step": (plan, decode, combine), "no combine": (plan, decode), "no planner": (decode, combine),
               "decode": (decode,), "empty graph": (lambda: torch.cuda._sleep(1),)}
+    for spec, overrides in (combine_variants or {}).items():
+        variant_cfg = dataclasses.replace(combine_cfg, **overrides)
+
+        def combine_variant(cfg=variant_cfg):
+            run_combine(cfg, inp.plan, inp.ws.partial_out, inp.ws.partial_lse, inp.out, inp.lse, inp.k_scale,
+                        torch.cuda.current_stream())
+
+        pieces[combine_variant_name(spec)] = (plan, decode, combine_variant)
     reads = read_alone_pieces(kv_pool, sum(case.lengths) * KV_DIM)
     pieces.update(reads)
     for fns in pieces.values():
@@ -127,7 +167,14 @@ def main(argv=None) -> int:
     parser.add_argument("--only", default="", help="cases whose name contains this text ('a|b': either)")
     parser.add_argument("--many-rows", action="store_true",
                         help="the bench's --many-rows cases (64-128 heads, q_len 2-8, TP8 shapes; page 64)")
+    parser.add_argument("--combine-variant", action="append", default=[], metavar="SPEC",
+                        help="also the step with this combine, e.g. dim_splits=2,prefetch_all=1 (repeatable)")
     args = parser.parse_args(argv)
+    try:
+        combine_variants = {spec: parse_combine_variant(spec) for spec in args.combine_variant}
+    except ValueError as err:
+        print(f"bench_step_parts: {err}", file=sys.stderr)
+        return 2
     import torch
 
     if not torch.cuda.is_available():
@@ -142,17 +189,21 @@ def main(argv=None) -> int:
     fp8 = measure_fp8_flops()
     print(f"{torch.cuda.get_device_name(0)}: read bandwidth {bandwidth / 1e12:.2f} TB/s, FP8 GEMM "
           f"{fp8 / 1e12:.0f} TFLOP/s; median of {args.reps}")
+    extra = [combine_variant_name(spec) for spec in combine_variants]
     print("| case | floor (us) | " + " | ".join(f"{v} (us)" for v in VARIANTS)
-          + " | planner adds | combine adds | decode over floor | decode over read | read alone / floor |")
-    print("| --- " * (7 + len(VARIANTS)) + "|")
+          + " | planner adds | combine adds | decode over floor | decode over read | read alone / floor |"
+          + "".join(f" {name} (us) | its combine adds |" for name in extra))
+    print("| --- " * (7 + len(VARIANTS) + 2 * len(extra)) + "|")
     for case in cases:
         bytes_moved, flops = case_bytes_and_flops(case)
         floor = max(bytes_moved / bandwidth, flops / fp8) * 1e6  # the bench's floor
-        medians = run_parts(case, args.reps, kv_pool)
+        medians = run_parts(case, args.reps, kv_pool, combine_variants)
         costs = part_costs(medians, floor)
         print(f"| {case.name} | {floor:.1f} | " + " | ".join(f"{medians[v]:.1f}" for v in VARIANTS)
               + f" | {costs['planner']:.1f} | {costs['combine']:.1f} | {costs['decode over floor']:.1f}"
-              f" | {costs['decode over read']:.1f} | {medians['KV read alone'] / floor:.2f} |", flush=True)
+              f" | {costs['decode over read']:.1f} | {medians['KV read alone'] / floor:.2f} |"
+              + "".join(f" {medians[n]:.1f} | {medians[n] - medians['no combine']:.1f} |" for n in extra),
+              flush=True)
     return 0
 
 

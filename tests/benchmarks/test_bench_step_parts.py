@@ -1,5 +1,7 @@
 """benchmarks/bench_step_parts.py: what each piece adds to a step, from the variants' medians."""
 
+import pytest
+
 import bench_step_parts
 
 
@@ -24,3 +26,20 @@ def test_cases_are_selected_from_the_chosen_list():
     many = bench_step_parts.select_cases("H128 q1 128K x B4|H64", many_rows=True)
     assert [(c.name, c.page_size) for c in many] == [("H128 q1 128K x B4 page 64", 64), ("H64 q1 1M x B2 page 64", 64)]
     assert bench_step_parts.select_cases("no such case") == []
+
+
+def test_combine_variants_parse_to_combine_config_overrides():
+    assert bench_step_parts.parse_combine_variant("dim_splits=2,prefetch_all=1") == {"dim_splits": 2,
+                                                                                     "prefetch_all": True}
+    assert bench_step_parts.parse_combine_variant("prefetch_all=0") == {"prefetch_all": False}
+    for bad, why in (("dim_splits=3", "dim_splits must be one of 1, 2, 4"), ("rows=12", "FIELD in"),
+                     ("dim_splits", "FIELD=VALUE"), ("prefetch_all=yes", "prefetch_all must be one of 0, 1"),
+                     ("dim_splits=2,dim_splits=4", "given twice")):
+        with pytest.raises(ValueError, match=why):
+            bench_step_parts.parse_combine_variant(bad)
+
+
+def test_a_bad_combine_variant_is_a_one_line_error_before_anything_runs(capsys):
+    assert bench_step_parts.main(["--combine-variant", "dim_splits=8"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--combine-variant 'dim_splits=8'" in err

@@ -17,7 +17,7 @@ from mla_backend.reference import merge_partials
 
 
 @pytest.mark.parametrize("rows", [12, 16, 96, 1024])
-@pytest.mark.parametrize("dim_splits", [1, COMBINE_DIM_SPLITS])
+@pytest.mark.parametrize("dim_splits", [1, 2, COMBINE_DIM_SPLITS])
 def test_row_mode_compiles_for_sm90a(rows, dim_splits):
     assert compile_combine(CombineConfig(rows, dim_splits)) is not None
 
@@ -114,6 +114,34 @@ def test_combine_matches_reference_merge(heads, q_len, num_ctas, lengths):
             want_out, want_lse = merge_partials(ws.partial_out[sl].float() * 0.37, ws.partial_lse[sl])
             torch.testing.assert_close(out[b].float(), want_out, atol=1e-2, rtol=1e-2)
             torch.testing.assert_close(lse[b], want_lse, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dim_splits", [1, 2, COMBINE_DIM_SPLITS])
+@pytest.mark.parametrize("prefetch_all", [False, True])
+def test_every_row_mode_config_merges_like_the_reference(dim_splits, prefetch_all):
+    """Whatever combine_config picks for a batch, every row-mode configuration (CTAs per row, prefetch) merges the
+    same plan alike (research tools time the others: benchmarks/bench_step_parts.py --combine-variant)."""
+    torch.manual_seed(dim_splits)
+    lengths = [50000, 131072, 0, 64]
+    seq_lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    plan = plan_splits(seq_lens, q_len=1, num_heads=12, page_size=64, num_ctas=132)
+    ws = DecodeWorkspace.for_plan(plan, 1, 12)
+    ws.partial_out.normal_()
+    ws.partial_lse.normal_(mean=3.0, std=4.0)
+    out = torch.full((4, 1, 12, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
+    lse = torch.full((4, 1, 12), float("nan"), device="cuda")
+    cfg = CombineConfig(12, dim_splits, prefetch_all=prefetch_all)
+    run_combine(cfg, plan, ws.partial_out, ws.partial_lse, out, lse, torch.ones(1, device="cuda"),
+                torch.cuda.current_stream())
+    splits, offsets = plan.num_splits.tolist(), plan.split_offset.tolist()
+    assert splits[0] > 1 and splits[1] > 1 and splits[2] == 0
+    assert torch.all(out[2] == 0) and torch.all(torch.isneginf(lse[2]))
+    for b in (0, 1):
+        sl = slice(offsets[b], offsets[b] + splits[b])
+        want_out, want_lse = merge_partials(ws.partial_out[sl].float(), ws.partial_lse[sl])
+        torch.testing.assert_close(out[b].float(), want_out, atol=1e-2, rtol=1e-2)
+        torch.testing.assert_close(lse[b], want_lse, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.gpu
